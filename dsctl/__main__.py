@@ -1,0 +1,5 @@
+"""`python -m dsctl` runs the CLI."""
+
+from dsctl.cli import main
+
+main()

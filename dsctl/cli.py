@@ -1,0 +1,47 @@
+"""The `dsctl` command line: one Typer app, one module per command.
+
+Command modules import only light packages at module level (typer, rich,
+engine.args); torch and triton are imported inside the command bodies so that
+`dsctl --help` stays fast and works without CUDA.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from engine.errors import DsctlError
+
+app = typer.Typer(
+    name="dsctl",
+    help="Download, tune, benchmark and serve DeepSeek-V2/V3/R1.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+# Each module exposes `register(app)`; add a command by adding its module here.
+COMMAND_MODULES = ("cmd_models", "cmd_generate")
+
+
+def _register() -> None:
+    import importlib
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"dsctl.{name}").register(app)
+
+
+_register()
+
+
+def main() -> None:
+    try:
+        app()
+    except DsctlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

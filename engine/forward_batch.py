@@ -1,0 +1,90 @@
+"""Forward-batch metadata: what one model forward computes and where its KV goes.
+
+Tokens of all requests in a batch are packed into one flat sequence of length T.
+Every mode shares this layout:
+
+- EXTEND: prefill of new tokens on top of an (optionally cached) prefix.
+- DECODE: one new token per request, attention over the latent cache (absorbed MLA).
+- IDLE: no tokens (a data-parallel attention rank with no work still runs the
+  collectives of the MoE layers).
+- TARGET_VERIFY: score a block of draft tokens per request (an extend over the
+  cached prefix, logits at every draft position).
+- DRAFT_EXTEND: run the MTP/NextN layer over newly accepted tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+    IDLE = "idle"
+    TARGET_VERIFY = "target_verify"
+    DRAFT_EXTEND = "draft_extend"
+
+    @property
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+    @property
+    def is_extend_like(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each token
+    req_pool_indices: torch.Tensor  # [B] rows of the req->token table
+    seq_lens: torch.Tensor  # [B] tokens in the cache after this forward (prefix + new)
+    out_cache_loc: torch.Tensor  # [T] KV-pool slots the new tokens are written to
+    extend_lens: torch.Tensor  # [B] new tokens per request (1 for decode)
+    prefix_lens: torch.Tensor  # [B] tokens already cached before this forward
+    logits_indices: torch.Tensor  # [N] which of the T tokens produce logits
+    # Host copies for Python-side loops (reference backends) and planning.
+    seq_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    # The MTP layer's input hidden states (DRAFT_EXTEND), one row per token.
+    spec_hidden: Optional[torch.Tensor] = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(cls, mode: ForwardMode, input_ids: list[int], req_rows: list[int], prefix_lens: list[int],
+              extend_lens: list[int], out_cache_loc: torch.Tensor, logits_indices: list[int],
+              device: torch.device) -> "ForwardBatch":
+        """Assemble a batch from host lists (positions follow from prefix and extend lengths)."""
+        positions = [p + i for p, n in zip(prefix_lens, extend_lens) for i in range(n)]
+        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+
+        def t(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            mode=mode,
+            input_ids=t(input_ids),
+            positions=t(positions),
+            req_pool_indices=t(req_rows),
+            seq_lens=t(seq_lens),
+            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
+            extend_lens=t(extend_lens),
+            prefix_lens=t(prefix_lens),
+            logits_indices=t(logits_indices),
+            seq_lens_cpu=seq_lens,
+            extend_lens_cpu=list(extend_lens),
+            prefix_lens_cpu=list(prefix_lens),
+        )

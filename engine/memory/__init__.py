@@ -1,0 +1,1 @@
+"""KV memory: the paged latent KV pool and the request->token table."""

@@ -1,0 +1,66 @@
+"""Token-granular paged latent KV cache and the request -> token-slot table.
+
+`KVPool` holds, for every layer, one row per cached token of
+kv_lora_rank + qk_rope_head_dim values (the latent c_kv and the shared rope key).
+Slot 0 is a scratch slot that padded tokens write to; real tokens get slots
+1..size. `ReqToTokenPool` maps (request row, position) -> slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, num_layers: int, size: int, dim: int, dtype: torch.dtype, device: torch.device,
+                 scale: float = 1.0):
+        self.size, self.dim, self.dtype = size, dim, dtype
+        self.scale = scale  # dequantised value = stored * scale (FP8 caches)
+        self.buffer = torch.zeros(num_layers, size + 1, dim, dtype=dtype, device=device)
+        self._free = torch.arange(1, size + 1, dtype=torch.int64)  # host-side free list
+
+    def available(self) -> int:
+        return int(self._free.numel())
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n free slots (host int64 tensor), or None when the pool cannot hold them."""
+        if n > self._free.numel():
+            return None
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._free = torch.cat((self._free, slots.to("cpu", torch.int64)))
+
+    def write(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        if self.dtype != values.dtype:
+            values = (values.float() / self.scale).to(self.dtype)
+        self.buffer[layer].index_copy_(0, slots, values)
+
+    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows = self.buffer[layer][slots]
+        if rows.dtype != dtype:
+            rows = (rows.float() * self.scale).to(dtype)
+        return rows
+
+
+class ReqToTokenPool:
+    def __init__(self, max_reqs: int, max_context: int, device: torch.device):
+        self.table = torch.zeros(max_reqs, max_context, dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_reqs - 1, -1, -1))
+
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def set(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start:start + slots.numel()] = slots.to(self.table.device, torch.int32)
+
+    def slots(self, row: int, end: int, start: int = 0) -> torch.Tensor:
+        return self.table[row, start:end].to(torch.int64)

@@ -1,0 +1,1 @@
+"""The DeepSeek model in plain torch modules, with pluggable attention/MoE backends."""

@@ -1,0 +1,137 @@
+"""Multi-head Latent Attention (MLA) and its pure-torch attention backend.
+
+Per token the cache holds the normalised latent c_kv (kv_lora_rank) and the
+rotated shared rope key k_pe (qk_rope_head_dim). Two ways to attend:
+
+- extend (prefill): expand the latent with kv_b_proj into per-head k_nope / v
+  and run ordinary attention (causal among new tokens, full over the prefix);
+- decode (absorbed): fold W_UK into the query (q_nope @ W_UK, a query in latent
+  space), attend over c_kv / k_pe directly with one KV head shared by all query
+  heads, then map the latent output back with W_UV before o_proj.
+
+Backends implement `extend` and `decode`; `TorchAttentionBackend` is the
+reference the Triton/FlashInfer backends are checked against.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.memory.pools import KVPool, ReqToTokenPool
+from engine.model.layers import Linear, RMSNorm
+from engine.model.rope import RotaryEmbedding
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, fp8_block=None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = h = cfg.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale
+        qk = cfg.qk_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype, fp8_block)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * qk, dtype, fp8_block)
+        else:
+            self.q_proj = Linear(cfg.hidden_size, h * qk, dtype, fp8_block)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, fp8_block)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (self.nope + self.v_dim), dtype, fp8_block)
+        self.o_proj = Linear(h * self.v_dim, cfg.hidden_size, dtype, fp8_block)
+        # Absorbed per-head weights, filled by absorb() after loading.
+        self.register_buffer("w_kc", torch.empty(h, self.nope, cfg.kv_lora_rank, dtype=dtype), persistent=False)
+        self.register_buffer("w_vc", torch.empty(h, self.v_dim, cfg.kv_lora_rank, dtype=dtype), persistent=False)
+
+    def absorb(self) -> None:
+        """Split kv_b_proj per head into W_UK [H, nope, kv_lora] and W_UV [H, v, kv_lora]."""
+        w = self.kv_b_proj.dense_weight(self.w_kc.dtype).view(self.num_heads, self.nope + self.v_dim, -1)
+        self.w_kc = w[:, : self.nope].contiguous()
+        self.w_vc = w[:, self.nope:].contiguous()
+
+    def expand_latent(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent [L, kv_lora] -> k_nope [L, H, nope], v [L, H, v] (non-absorbed path)."""
+        kv = self.kv_b_proj(c_kv).view(-1, self.num_heads, self.nope + self.v_dim)
+        return kv[..., : self.nope], kv[..., self.nope:]
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, ctx: "AttentionContext") -> torch.Tensor:
+        t = x.shape[0]
+        if hasattr(self, "q_a_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(t, self.num_heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
+        latent = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(latent[:, : self.kv_lora_rank])
+        k_pe = latent[:, self.kv_lora_rank:]
+        q_pe = ctx.rotary.apply(q_pe, fb.positions)
+        k_pe = ctx.rotary.apply(k_pe, fb.positions)
+        ctx.kv_pool.write(self.layer_id, fb.out_cache_loc, torch.cat((c_kv, k_pe), dim=-1))
+        if fb.mode.is_decode:
+            out = ctx.backend.decode(self, q_nope, q_pe, fb, ctx)
+        else:
+            out = ctx.backend.extend(self, q_nope, q_pe, c_kv, k_pe, fb, ctx)
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+
+
+class AttentionBackend(Protocol):
+    def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: "AttentionContext") -> torch.Tensor:
+        """New tokens' attention output [T, H, v]."""
+
+    def decode(self, layer: MLA, q_nope, q_pe, fb: ForwardBatch, ctx: "AttentionContext") -> torch.Tensor:
+        """One token per request; output [B, H, v]."""
+
+
+class AttentionContext:
+    """What the attention layers share during a forward: cache, tables, rope, backend."""
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, rotary: RotaryEmbedding,
+                 backend: AttentionBackend):
+        self.kv_pool, self.req_to_token, self.rotary, self.backend = kv_pool, req_to_token, rotary, backend
+
+
+class TorchAttentionBackend:
+    """Reference MLA attention in plain torch: one request at a time, float32 softmax."""
+
+    def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: AttentionContext):
+        out = q_nope.new_empty(q_nope.shape[0], layer.num_heads, layer.v_dim)
+        start = 0
+        for i, (n, prefix) in enumerate(zip(fb.extend_lens_cpu, fb.prefix_lens_cpu)):
+            if n == 0:
+                continue
+            row = int(fb.req_pool_indices[i])
+            cached = ctx.kv_pool.read(layer.layer_id, ctx.req_to_token.slots(row, prefix), c_kv.dtype)
+            lat = torch.cat((cached[:, : layer.kv_lora_rank], c_kv[start:start + n]))
+            kpe = torch.cat((cached[:, layer.kv_lora_rank:], k_pe[start:start + n]))
+            k_nope, v = layer.expand_latent(lat)
+            q_n, q_p = q_nope[start:start + n], q_pe[start:start + n]
+            scores = torch.einsum("qhd,khd->hqk", q_n.float(), k_nope.float())
+            scores += torch.einsum("qhr,kr->hqk", q_p.float(), kpe.float())
+            scores *= layer.scale
+            q_pos = torch.arange(prefix, prefix + n, device=scores.device)
+            k_pos = torch.arange(prefix + n, device=scores.device)
+            scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+            probs = scores.softmax(-1)
+            out[start:start + n] = torch.einsum("hqk,khv->qhv", probs, v.float()).to(out.dtype)
+            start += n
+        return out
+
+    def decode(self, layer: MLA, q_nope, q_pe, fb: ForwardBatch, ctx: AttentionContext):
+        q_lat = torch.einsum("bhn,hnc->bhc", q_nope.float(), layer.w_kc.float())
+        out_lat = torch.empty_like(q_lat)
+        for i, seq_len in enumerate(fb.seq_lens_cpu):
+            row = int(fb.req_pool_indices[i])
+            cache = ctx.kv_pool.read(layer.layer_id, ctx.req_to_token.slots(row, seq_len), torch.float32)
+            c, kpe = cache[:, : layer.kv_lora_rank], cache[:, layer.kv_lora_rank:]
+            scores = (q_lat[i] @ c.T + q_pe[i].float() @ kpe.T) * layer.scale
+            out_lat[i] = scores.softmax(-1) @ c
+        out = torch.einsum("bhc,hvc->bhv", out_lat, layer.w_vc.float())
+        return out.to(q_nope.dtype)

@@ -1,0 +1,64 @@
+"""Registry of known models: alias -> hub repo id, with a shipped config.json.
+
+The shipped configs (engine/model_configs/<config>.json) let `--load-format dummy
+--model deepseek-v3` build a real-shape model with no download. `tiny` and
+`tiny-fp8` are built-in synthetic checkpoints (engine/weights/tiny.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    alias: str
+    repo_id: Optional[str]  # None for built-in synthetic models
+    config_name: str  # file stem under engine/model_configs/
+    description: str
+
+    def config_dict(self) -> dict:
+        text = resources.files("engine").joinpath("model_configs", f"{self.config_name}.json").read_text()
+        return json.loads(text)
+
+    @property
+    def builtin(self) -> bool:
+        return self.repo_id is None
+
+
+MODELS: dict[str, ModelEntry] = {
+    e.alias: e
+    for e in [
+        ModelEntry("deepseek-v3", "deepseek-ai/DeepSeek-V3", "deepseek-v3", "671B MoE, FP8, MTP"),
+        ModelEntry("deepseek-v3-base", "deepseek-ai/DeepSeek-V3-Base", "deepseek-v3", "V3 base model"),
+        ModelEntry("deepseek-v3-0324", "deepseek-ai/DeepSeek-V3-0324", "deepseek-v3", "V3 March 2025 update"),
+        ModelEntry("deepseek-r1", "deepseek-ai/DeepSeek-R1", "deepseek-v3", "reasoning model, V3 architecture"),
+        ModelEntry("deepseek-r1-0528", "deepseek-ai/DeepSeek-R1-0528", "deepseek-v3", "R1 May 2025 update"),
+        ModelEntry("deepseek-v2", "deepseek-ai/DeepSeek-V2", "deepseek-v2", "236B MoE, bf16"),
+        ModelEntry("deepseek-v2-chat", "deepseek-ai/DeepSeek-V2-Chat", "deepseek-v2", "V2 chat"),
+        ModelEntry("deepseek-v2-lite", "deepseek-ai/DeepSeek-V2-Lite", "deepseek-v2-lite", "16B MoE, no q compression"),
+        ModelEntry("deepseek-v2-lite-chat", "deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek-v2-lite", "V2-Lite chat"),
+        ModelEntry(
+            "deepseek-coder-v2-lite",
+            "deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct",
+            "deepseek-v2-lite",
+            "V2-Lite coder (instruct)",
+        ),
+        ModelEntry("tiny", None, "tiny", "built-in random V3-architecture model for CPU tests and demos"),
+        ModelEntry("tiny-fp8", None, "tiny-fp8", "built-in tiny model with 128x128 block-FP8 weights"),
+    ]
+}
+
+
+def lookup(name: str) -> Optional[ModelEntry]:
+    """The registry entry for an alias (case-insensitive) or a known repo id, else None."""
+    key = name.lower()
+    if key in MODELS:
+        return MODELS[key]
+    for entry in MODELS.values():
+        if entry.repo_id and entry.repo_id.lower() == key:
+            return entry
+    return None

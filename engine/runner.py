@@ -1,0 +1,145 @@
+"""ModelRunner: builds the model on its device, loads weights, owns the KV memory and runs forwards.
+
+This is the only place that launches model forwards. It picks the device and
+dtype, decides whether FP8 weights stay FP8 (CUDA W8A8) or are dequantised,
+sizes the KV pool and request table, and wires the attention backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.args import EngineArgs
+from engine.errors import UsageError
+from engine.forward_batch import ForwardBatch
+from engine.memory.pools import KVPool, ReqToTokenPool
+from engine.model.attention import AttentionContext, TorchAttentionBackend
+from engine.model.deepseek import DeepseekForCausalLM, MTPLayer
+from engine.model.rope import RotaryEmbedding
+from engine.resolve import ResolvedModel, resolve_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_TOKENS = 32768
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [N, vocab] float32, rows = fb.logits_indices
+    hidden: torch.Tensor  # [T, hidden] pre-norm hidden states of every token (MTP input)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was given but no CUDA GPU is visible; use --device cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, resolved: Optional[ResolvedModel] = None):
+        args.validate()
+        self.args = args
+        self.resolved = resolved or resolve_model(args)
+        cfg = self.resolved.config
+        self.device = pick_device(args.device)
+        self.dtype = pick_dtype(args.dtype, self.device)
+        self.num_layers = args.num_layers or cfg.num_hidden_layers
+        self.config = cfg.with_num_layers(self.num_layers)
+        self.fp8_block = self._fp8_block()
+        self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self._build_model()
+        self._init_memory()
+
+    # ---- construction ------------------------------------------------------
+    def _fp8_block(self) -> Optional[tuple[int, int]]:
+        cfg, q = self.resolved.config, self.args.quantization
+        if q == "fp8" and cfg.fp8 is not None:
+            raise UsageError(
+                "--quantization fp8: this checkpoint is already block-FP8 and is served as FP8 by default; "
+                "drop the flag (or use --quantization none to dequantise it)"
+            )
+        if q == "none" or self.device.type != "cuda":
+            return None  # dequantise (CPU has no FP8 matmul)
+        if cfg.fp8 is not None:
+            return (cfg.fp8.block_n, cfg.fp8.block_k)
+        return (128, 128) if q == "fp8" else None
+
+    def _build_model(self) -> None:
+        cfg, resolved = self.config, self.resolved
+        with torch.device(self.device):
+            self.model = DeepseekForCausalLM(cfg, self.dtype, self.fp8_block)
+            self.mtp = self._make_mtp()
+        modules = {"": self.model}
+        if self.mtp is not None:
+            modules["mtp."] = self.mtp
+        if resolved.dummy:
+            from engine.weights.dummy import fill_dummy
+            from engine.weights.loader import iter_params
+
+            fill_dummy(iter_params(modules), self.args.seed)
+            if self.mtp is not None:
+                self.mtp.embed_tokens, self.mtp.head = self.model.embed_tokens, self.model.lm_head
+        else:
+            from engine.weights.loader import load_checkpoint
+
+            load_checkpoint(modules, resolved.path, resolved.config, self.num_layers, self.fp8_block or (128, 128))
+        for mod in modules.values():
+            for m in mod.modules():
+                if hasattr(m, "absorb"):
+                    m.absorb()
+        self.model.eval()
+
+    def _make_mtp(self) -> Optional[MTPLayer]:
+        full = self.resolved.config
+        if not full.num_nextn_predict_layers:
+            return None
+        if not self.resolved.dummy:
+            from engine.weights.loader import has_mtp, weight_map
+
+            if not has_mtp(weight_map(self.resolved.path), full):
+                return None
+        return MTPLayer(self.config, self.num_layers, self.dtype, self.fp8_block,
+                        moe=full.is_moe_layer(full.num_hidden_layers))
+
+    def _init_memory(self) -> None:
+        cfg = self.config
+        cache_layers = self.num_layers + (1 if self.mtp is not None else 0)
+        size = self.args.max_total_tokens or self._default_kv_tokens(cache_layers)
+        self.kv_pool = KVPool(cache_layers, size, cfg.kv_cache_dim, self.dtype, self.device)
+        self.req_to_token = ReqToTokenPool(self.args.max_running_requests + 1, self.max_model_len + 1, self.device)
+        rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, self.max_model_len + 1, self.device)
+        self.attn_ctx = AttentionContext(self.kv_pool, self.req_to_token, rotary, TorchAttentionBackend())
+
+    def _default_kv_tokens(self, cache_layers: int) -> int:
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_TOKENS
+        per_token = cache_layers * self.config.kv_cache_dim * torch.finfo(self.dtype).bits // 8
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return max(1024, int(free * 0.5 // per_token))
+
+    # ---- forward -----------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> ForwardOutput:
+        hidden = self.model.hidden_states(fb, self.attn_ctx)
+        logits = self.model.logits(hidden[fb.logits_indices])
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+    @torch.inference_mode()
+    def forward_mtp(self, fb: ForwardBatch) -> ForwardOutput:
+        if self.mtp is None:
+            raise UsageError("this checkpoint has no MTP/NextN layer (num_nextn_predict_layers = 0)")
+        hidden = self.mtp(fb, self.attn_ctx)
+        return ForwardOutput(logits=self.mtp.logits(hidden[fb.logits_indices]), hidden=hidden)

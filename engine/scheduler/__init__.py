@@ -1,0 +1,1 @@
+"""Requests and the continuous-batching scheduler."""
