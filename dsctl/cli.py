@@ -23,7 +23,7 @@ app = typer.Typer(
 
 
 # Each module exposes `register(app)`; add a command by adding its module here.
-COMMAND_MODULES = ("cmd_models", "cmd_generate")
+COMMAND_MODULES = ("cmd_models", "cmd_generate", "cmd_download", "cmd_tune", "cmd_bench", "cmd_serve")
 
 
 def _register() -> None:
@@ -37,8 +37,10 @@ _register()
 
 
 def main() -> None:
+    from dsctl.flags import expand_multi_values
+
     try:
-        app()
+        app(args=expand_multi_values(sys.argv[1:]), prog_name="dsctl")
     except DsctlError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)

@@ -7,10 +7,10 @@ from typing import List, Optional
 import typer
 
 from dsctl.flags import engine_command
-from engine.args import MODEL, EngineArgs
+from engine.args import GPU, MODEL, EngineArgs
 
 
-@engine_command(MODEL)
+@engine_command(MODEL, GPU)
 def generate(
     args: EngineArgs,
     prompt: List[str] = typer.Option(..., "--prompt", "-p", help="Prompt text; repeat for a batch."),

@@ -17,7 +17,7 @@ import typer
 
 from engine.args import EngineArgs, cli_name, fields_in_groups
 
-_PANEL = {"model": "Model options", "server": "Server options"}
+_PANEL = {"model": "Model options", "server": "Server options", "gpu": "Kernel and GPU options"}
 
 
 def _option_type(f: dataclasses.Field) -> Any:
@@ -68,3 +68,22 @@ def engine_command(*groups: str) -> Callable[[Callable], Callable]:
         return command
 
     return wrap
+
+
+# Options that take several values the way SGLang's scripts write them (`--batch-size 1 8 32`).
+MULTI_VALUE_OPTIONS = frozenset({"--batch-size", "--input-len", "--output-len"})
+
+
+def expand_multi_values(argv: list[str]) -> list[str]:
+    """Rewrite `--opt a b c` as `--opt a --opt b --opt c` for MULTI_VALUE_OPTIONS (Typer repeats options)."""
+    out: list[str] = []
+    current = None
+    for tok in argv:
+        if tok.startswith("-"):
+            current = tok if tok in MULTI_VALUE_OPTIONS else None
+            out.append(tok)
+        elif current is not None and out[-1] != current:
+            out += [current, tok]
+        else:
+            out.append(tok)
+    return out

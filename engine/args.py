@@ -20,6 +20,7 @@ from engine.errors import UsageError
 # Flag groups: each CLI command picks the groups it needs.
 MODEL = "model"
 SERVER = "server"
+GPU = "gpu"
 
 
 def flag(default: Any, help: str, group: str = MODEL, choices: tuple | None = None, **extra) -> Any:
@@ -71,6 +72,57 @@ class EngineArgs:
     )
     max_running_requests: int = flag(256, "Most requests in the running batch at once.")
 
+    # ---- kernels and GPU execution ----------------------------------------------
+    attention_backend: str = flag(
+        "auto", "MLA attention kernels: 'triton' (CUDA default), 'torch' (reference; CPU default).",
+        group=GPU, choices=("auto", "triton", "torch"),
+    )
+    moe_backend: str = flag(
+        "auto", "MoE expert kernels: 'triton' fused MoE (CUDA default) or 'torch' (reference; CPU default).",
+        group=GPU, choices=("auto", "triton", "torch"),
+    )
+    kv_cache_dtype: str = flag(
+        "auto", "KV cache dtype: 'auto' = the model dtype; 'fp8_e4m3' / 'fp8_e5m2' halve the latent cache's "
+        "bytes (e4m3: more mantissa, the usual choice; e5m2: more range).",
+        group=GPU, choices=("auto", "fp8_e4m3", "fp8_e5m2"),
+    )
+    mem_fraction_static: float = flag(
+        0.85, "Fraction of GPU memory for weights + KV cache (the rest: activations, CUDA graphs).", group=GPU,
+    )
+    disable_cuda_graph: bool = flag(False, "Run decode eagerly instead of replaying CUDA graphs.", group=GPU)
+    cuda_graph_max_bs: int = flag(160, "Largest decode batch captured in a CUDA graph.", group=GPU)
+    cuda_graph_bs: Optional[str] = flag(
+        None, "Comma-separated decode batch sizes to capture (default: 1,2,4,8 then steps of 8 up to "
+        "--cuda-graph-max-bs). Batches are padded to the nearest captured size.", group=GPU,
+    )
+    enable_torch_compile: bool = flag(
+        False, "torch.compile the captured decode paths (set TORCHINDUCTOR_CACHE_DIR to reuse compiles "
+        "across restarts).", group=GPU,
+    )
+    torch_compile_max_bs: int = flag(32, "Largest decode batch that uses the torch.compile'd path.", group=GPU)
+
+    # ---- HTTP server (dsctl serve) ----------------------------------------------
+    host: str = flag("127.0.0.1", "Address to listen on (0.0.0.0 for every interface).", group=SERVER)
+    port: int = flag(30000, "TCP port to listen on.", group=SERVER)
+    api_key: Optional[str] = flag(
+        None, "Require 'Authorization: Bearer KEY' on every route except /health.", group=SERVER,
+    )
+    served_model_name: Optional[str] = flag(
+        None, "Model name reported by /v1/models and expected in requests (default: --model).", group=SERVER,
+    )
+    max_queued_requests: Optional[int] = flag(
+        None, "Most sequences waiting for a place in the running batch; beyond it requests get 503 with "
+        "Retry-After (default: unbounded).", group=SERVER,
+    )
+    reasoning_parser: Optional[str] = flag(
+        None, "Move the model's <think>...</think> section into reasoning_content (chat completions).",
+        group=SERVER, choices=("deepseek-r1",),
+    )
+    shutdown_timeout: float = flag(
+        30.0, "Seconds in-flight requests get to finish after SIGTERM before they are aborted.", group=SERVER,
+    )
+    log_level: str = flag("info", "Server log level.", group=SERVER, choices=("debug", "info", "warning", "error"))
+
     # ------------------------------------------------------------------------
     def validate(self) -> "EngineArgs":
         """Check values and combinations; raise UsageError with a fix-it message."""
@@ -89,9 +141,51 @@ class EngineArgs:
             raise UsageError(f"--max-running-requests must be >= 1 (got {self.max_running_requests})")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise UsageError(f"--max-total-tokens must be >= 1 (got {self.max_total_tokens})")
+        self._validate_gpu()
+        self._validate_server()
         if self.device == "cpu" and self.dtype == "float16":
             raise UsageError("--dtype float16 is not supported on CPU; use float32 or bfloat16")
         return self
+
+    def _validate_server(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise UsageError(f"--port must be in 1..65535 (got {self.port})")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise UsageError(f"--max-queued-requests must be >= 0 (got {self.max_queued_requests})")
+        if self.shutdown_timeout < 0:
+            raise UsageError(f"--shutdown-timeout must be >= 0 (got {self.shutdown_timeout})")
+        for name, value in (("--api-key", self.api_key), ("--served-model-name", self.served_model_name)):
+            if value is not None and not value.strip():
+                raise UsageError(f"{name} must not be empty")
+
+    def _validate_gpu(self) -> None:
+        if not 0 < self.mem_fraction_static < 1:
+            raise UsageError(f"--mem-fraction-static must be in (0, 1) (got {self.mem_fraction_static})")
+        if self.cuda_graph_max_bs < 1 or self.torch_compile_max_bs < 1:
+            raise UsageError("--cuda-graph-max-bs and --torch-compile-max-bs must be >= 1")
+        if self.cuda_graph_bs is not None:
+            sizes = self.cuda_graph_batch_sizes()
+            if not sizes or min(sizes) < 1:
+                raise UsageError(f"--cuda-graph-bs must list positive batch sizes (got {self.cuda_graph_bs!r})")
+        if self.device == "cpu":
+            gpu_only = [name for name, on in (("--enable-torch-compile", self.enable_torch_compile),
+                                              (f"--kv-cache-dtype {self.kv_cache_dtype}", self.kv_cache_dtype != "auto")) if on]
+            if gpu_only:
+                raise UsageError(f"{', '.join(gpu_only)} need(s) a CUDA GPU; drop it with --device cpu")
+        if self.enable_torch_compile and self.disable_cuda_graph:
+            raise UsageError("--enable-torch-compile compiles the CUDA-graph decode path; "
+                             "it cannot be combined with --disable-cuda-graph")
+
+    def cuda_graph_batch_sizes(self) -> list[int]:
+        """The decode batch sizes to capture, ascending."""
+        if self.cuda_graph_bs:
+            try:
+                sizes = sorted({int(x) for x in self.cuda_graph_bs.replace(" ", "").split(",") if x})
+            except ValueError:
+                raise UsageError(f"--cuda-graph-bs must be comma-separated integers (got {self.cuda_graph_bs!r})")
+            return sizes
+        sizes = [b for b in (1, 2, 4) if b < self.cuda_graph_max_bs] + list(range(8, self.cuda_graph_max_bs + 1, 8))
+        return sorted(set(sizes + [self.cuda_graph_max_bs]))
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)

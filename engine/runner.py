@@ -18,6 +18,7 @@ from engine.errors import UsageError
 from engine.forward_batch import ForwardBatch
 from engine.memory.pools import KVPool, ReqToTokenPool
 from engine.model.attention import AttentionContext, TorchAttentionBackend
+from engine.model.moe import MoE, TorchMoEBackend, TritonMoEBackend
 from engine.model.deepseek import DeepseekForCausalLM, MTPLayer
 from engine.model.rope import RotaryEmbedding
 from engine.resolve import ResolvedModel, resolve_model
@@ -25,6 +26,7 @@ from engine.resolve import ResolvedModel, resolve_model
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 DEFAULT_CPU_KV_TOKENS = 32768
 
 
@@ -60,8 +62,30 @@ class ModelRunner:
         self.config = cfg.with_num_layers(self.num_layers)
         self.fp8_block = self._fp8_block()
         self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.attention_backend, self.moe_backend = self._pick_backends()
         self._build_model()
         self._init_memory()
+        self.graphs = None
+        if self.device.type == "cuda" and not args.disable_cuda_graph:
+            self._capture_cuda_graphs()
+
+    def _pick_backends(self) -> tuple[str, str]:
+        """Resolve 'auto' backends and reject combinations that cannot run here."""
+        import os
+
+        a, m = self.args.attention_backend, self.args.moe_backend
+        default = "triton" if self.device.type == "cuda" else "torch"
+        a, m = (default if a == "auto" else a), (default if m == "auto" else m)
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        if self.device.type != "cuda" and "triton" in (a, m) and not interpret:
+            raise UsageError("the Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 for slow CPU checks); "
+                             "use --attention-backend torch --moe-backend torch on CPU")
+        if self.device.type == "cuda" and not self.args.disable_cuda_graph and "torch" in (a, m):
+            raise UsageError("the torch reference backends loop over requests on the host and cannot be "
+                             "captured in CUDA graphs: add --disable-cuda-graph, or use the triton backends")
+        if self.args.kv_cache_dtype != "auto" and self.device.type != "cuda":
+            raise UsageError(f"--kv-cache-dtype {self.args.kv_cache_dtype} needs a CUDA GPU")
+        return a, m
 
     # ---- construction ------------------------------------------------------
     def _fp8_block(self) -> Optional[tuple[int, int]]:
@@ -101,6 +125,11 @@ class ModelRunner:
                 if hasattr(m, "absorb"):
                     m.absorb()
         self.model.eval()
+        moe_impl = TritonMoEBackend() if self.moe_backend == "triton" else TorchMoEBackend()
+        for mod in modules.values():
+            for m in mod.modules():
+                if isinstance(m, MoE):
+                    m.backend = moe_impl
 
     def _make_mtp(self) -> Optional[MTPLayer]:
         full = self.resolved.config
@@ -117,24 +146,59 @@ class ModelRunner:
     def _init_memory(self) -> None:
         cfg = self.config
         cache_layers = self.num_layers + (1 if self.mtp is not None else 0)
-        size = self.args.max_total_tokens or self._default_kv_tokens(cache_layers)
-        self.kv_pool = KVPool(cache_layers, size, cfg.kv_cache_dim, self.dtype, self.device)
-        self.req_to_token = ReqToTokenPool(self.args.max_running_requests + 1, self.max_model_len + 1, self.device)
+        kv_dtype = KV_CACHE_DTYPES.get(self.args.kv_cache_dtype, self.dtype)
+        self.req_to_token = ReqToTokenPool(self.args.max_running_requests, self.max_model_len + 1, self.device)
+        size = self.args.max_total_tokens or self._default_kv_tokens(cache_layers, kv_dtype)
+        self.kv_pool = KVPool(cache_layers, size, cfg.kv_cache_dim, kv_dtype, self.device)
         rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, self.max_model_len + 1, self.device)
-        self.attn_ctx = AttentionContext(self.kv_pool, self.req_to_token, rotary, TorchAttentionBackend())
+        if self.attention_backend == "triton":
+            from engine.model.attention_triton import TritonAttentionBackend
 
-    def _default_kv_tokens(self, cache_layers: int) -> int:
+            backend = TritonAttentionBackend()
+        else:
+            backend = TorchAttentionBackend()
+        self.attn_ctx = AttentionContext(self.kv_pool, self.req_to_token, rotary, backend)
+
+    def _default_kv_tokens(self, cache_layers: int, kv_dtype: torch.dtype) -> int:
+        """KV tokens that fit in --mem-fraction-static of the GPU after the weights (CPU: a fixed default)."""
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_TOKENS
-        per_token = cache_layers * self.config.kv_cache_dim * torch.finfo(self.dtype).bits // 8
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return max(1024, int(free * 0.5 // per_token))
+        per_token = cache_layers * self.config.kv_cache_dim * torch.finfo(kv_dtype).bits // 8
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.args.mem_fraction_static - (total - free)
+        if budget < per_token * 1024:
+            raise UsageError(
+                f"after loading the weights only {budget / 2**30:.1f} GiB of the --mem-fraction-static "
+                f"{self.args.mem_fraction_static} budget is left for the KV cache: raise it, use fewer "
+                "--num-layers, or set --max-total-tokens")
+        return int(budget // per_token)
+
+    def _capture_cuda_graphs(self) -> None:
+        from engine.cuda_graph import CudaGraphRunner
+
+        sizes = [b for b in self.args.cuda_graph_batch_sizes() if b <= self.args.max_running_requests]
+        compiled = None
+        if self.args.enable_torch_compile:
+            import torch._inductor.config as inductor_config
+
+            # Round intermediates to bf16 where eager does, so compiled decode matches eager greedy output.
+            inductor_config.emulate_precision_casts = True
+            compiled = torch.compile(self._forward_eager, dynamic=False)
+        with torch.inference_mode():
+            self.graphs = CudaGraphRunner(self._forward_eager, sizes or [1], self.req_to_token.padding_row,
+                                          self.device, compiled, self.args.torch_compile_max_bs)
 
     # ---- forward -----------------------------------------------------------
+    def _forward_eager(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model.hidden_states(fb, self.attn_ctx)
+        return self.model.logits(hidden[fb.logits_indices]), hidden
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
-        hidden = self.model.hidden_states(fb, self.attn_ctx)
-        logits = self.model.logits(hidden[fb.logits_indices])
+        if self.graphs is not None and self.graphs.can_run(fb):
+            logits, hidden = self.graphs.replay(fb)
+        else:
+            logits, hidden = self._forward_eager(fb)
         return ForwardOutput(logits=logits, hidden=hidden)
 
     @torch.inference_mode()

@@ -36,7 +36,10 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         if self.dtype != values.dtype:
             values = (values.float() / self.scale).to(self.dtype)
-        self.buffer[layer].index_copy_(0, slots, values)
+        if self.dtype.itemsize == 1:  # no index_copy_ kernel for float8 on CUDA: copy the bytes
+            self.buffer[layer].view(torch.uint8).index_copy_(0, slots, values.view(torch.uint8))
+        else:
+            self.buffer[layer].index_copy_(0, slots, values)
 
     def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         rows = self.buffer[layer][slots]
@@ -46,8 +49,11 @@ class KVPool:
 
 
 class ReqToTokenPool:
+    """max_reqs allocatable rows plus one padding row (all slot 0) for padded CUDA-graph batches."""
+
     def __init__(self, max_reqs: int, max_context: int, device: torch.device):
-        self.table = torch.zeros(max_reqs, max_context, dtype=torch.int32, device=device)
+        self.table = torch.zeros(max_reqs + 1, max_context, dtype=torch.int32, device=device)
+        self.padding_row = max_reqs
         self._free_rows = list(range(max_reqs - 1, -1, -1))
 
     def available(self) -> int:

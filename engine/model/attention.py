@@ -49,12 +49,27 @@ class MLA(nn.Module):
         # Absorbed per-head weights, filled by absorb() after loading.
         self.register_buffer("w_kc", torch.empty(h, self.nope, cfg.kv_lora_rank, dtype=dtype), persistent=False)
         self.register_buffer("w_vc", torch.empty(h, self.v_dim, cfg.kv_lora_rank, dtype=dtype), persistent=False)
+        # FP8 views of the same weights for the FP8 batched matmul (W8A8 checkpoints only).
+        self.w_kc_fp8 = self.w_kc_scale = self.w_vc_fp8 = self.w_vc_scale = None
 
     def absorb(self) -> None:
-        """Split kv_b_proj per head into W_UK [H, nope, kv_lora] and W_UV [H, v, kv_lora]."""
-        w = self.kv_b_proj.dense_weight(self.w_kc.dtype).view(self.num_heads, self.nope + self.v_dim, -1)
+        """Split kv_b_proj per head into W_UK [H, nope, kv_lora] and W_UV [H, v, kv_lora].
+
+        When kv_b_proj is block FP8 and each head's nope / v rows are whole 128-row blocks
+        (DeepSeek-V3: 128 + 128), also keep exact FP8 views, [H, K, N]-oriented for fp8_bmm."""
+        h, per_head = self.num_heads, self.nope + self.v_dim
+        w = self.kv_b_proj.dense_weight(self.w_kc.dtype).view(h, per_head, -1)
         self.w_kc = w[:, : self.nope].contiguous()
         self.w_vc = w[:, self.nope:].contiguous()
+        block = self.kv_b_proj.fp8_block
+        if block is None or self.nope % block[0] or self.v_dim % block[0] or self.kv_lora_rank % block[1]:
+            return
+        q = self.kv_b_proj.weight.view(h, per_head, -1)
+        s = self.kv_b_proj.weight_scale_inv.view(h, per_head // block[0], -1)
+        nb = self.nope // block[0]
+        self.w_kc_fp8, self.w_kc_scale = q[:, : self.nope], s[:, :nb]  # [H, nope, kv_lora] = [H, K, N]
+        self.w_vc_fp8 = q[:, self.nope:].transpose(1, 2)  # [H, kv_lora, v] = [H, K, N]
+        self.w_vc_scale = s[:, nb:].transpose(1, 2)
 
     def expand_latent(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent [L, kv_lora] -> k_nope [L, H, nope], v [L, H, v] (non-absorbed path)."""

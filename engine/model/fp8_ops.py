@@ -1,6 +1,8 @@
-"""Block-FP8 linear: the Triton W8A8 kernel on CUDA when available, exact dequantisation otherwise."""
+"""Block-FP8 linear: the Triton W8A8 GEMM on CUDA (or under TRITON_INTERPRET=1), exact dequantisation otherwise."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -8,8 +10,10 @@ import torch.nn.functional as F
 from engine.model.layers import dequant_block_fp8
 
 
+@torch.compiler.disable
 def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    # The fused W8A8 GPU path is wired in by the GPU-integration work; until then
-    # dequantise on the fly (correct, memory-hungry, slow).
-    w = dequant_block_fp8(weight, scale_inv, block, x.dtype)
-    return F.linear(x, w)
+    if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        from kernels.fp8 import block_fp8_matmul
+
+        return block_fp8_matmul(x, weight, scale_inv, block)
+    return F.linear(x, dequant_block_fp8(weight, scale_inv, block, x.dtype))

@@ -14,38 +14,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.layers import FP8_DTYPE, MLP, dequant_block_fp8
+from engine.model.layers import FP8_DTYPE, MLP
 
 
+@torch.compiler.disable
 def select_experts(logits: torch.Tensor, cfg: ModelConfig,
                    bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] (float32) -> (weights [T, k] float32, ids [T, k] int64)."""
-    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
-    t = logits.shape[0]
-    scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
-    if cfg.topk_method == "noaux_tc":
-        choice = scores + bias if bias is not None else scores
-        groups = choice.view(t, cfg.n_group, e // cfg.n_group)
-        group_score = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)
-        ids = _topk_in_groups(choice, group_score, cfg, k)
-        weights = scores.gather(1, ids)
-    elif cfg.topk_method == "group_limited_greedy":
-        group_score = scores.view(t, cfg.n_group, e // cfg.n_group).max(-1).values
-        ids = _topk_in_groups(scores, group_score, cfg, k)
-        weights = scores.gather(1, ids)
-    else:  # greedy
-        weights, ids = scores.topk(k, dim=-1)
-    if cfg.norm_topk_prob and k > 1:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, ids
+    """Router logits [T, E] (float32) -> (weights [T, k] float32, ids [T, k] int32).
 
+    The fused Triton gate on CUDA, its pure-torch reference elsewhere (kernels/moe_gate.py)."""
+    from kernels import moe_gate
 
-def _topk_in_groups(choice: torch.Tensor, group_score: torch.Tensor, cfg: ModelConfig, k: int) -> torch.Tensor:
-    t, e = choice.shape
-    keep = group_score.topk(cfg.topk_group, dim=-1).indices
-    group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-    expert_mask = group_mask.repeat_interleave(e // cfg.n_group, dim=1)
-    return choice.masked_fill(~expert_mask, float("-inf")).topk(k, dim=-1).indices
+    gate = moe_gate.moe_gate if logits.is_cuda else moe_gate.moe_gate_ref
+    return gate(logits, top_k=cfg.num_experts_per_tok, method=cfg.topk_method, n_group=cfg.n_group,
+                topk_group=cfg.topk_group, correction_bias=bias, norm_topk_prob=cfg.norm_topk_prob,
+                routed_scaling_factor=cfg.routed_scaling_factor, scoring_func=cfg.scoring_func)
 
 
 class MoEBackend(Protocol):
@@ -86,25 +69,23 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         return out
 
-    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13[e], w2[e]) in a plain dtype, dequantised when FP8."""
-        if self.fp8_block is None:
-            return self.w13[e].to(dtype), self.w2[e].to(dtype)
-        return (dequant_block_fp8(self.w13[e], self.w13_scale[e], self.fp8_block, dtype),
-                dequant_block_fp8(self.w2[e], self.w2_scale[e], self.fp8_block, dtype))
-
 
 class TorchMoEBackend:
-    """Reference: loop over the experts that received tokens."""
+    """Reference: kernels.fused_moe_ref (a loop over the experts that received tokens)."""
 
     def experts(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        n = moe.cfg.moe_intermediate_size
-        for e in ids.unique().tolist():
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            w13, w2 = moe.expert_weights(e, x.dtype)
-            h = F.linear(x[tok], w13)
-            h = F.silu(h[:, :n]) * h[:, n:]
-            y = F.linear(h, w2) * weights[tok, slot, None].to(x.dtype)
-            out.index_add_(0, tok, y)
-        return out
+        from kernels.fused_moe import fused_moe_ref
+
+        return fused_moe_ref(x, moe.w13, moe.w2, ids, weights, w13_scale=moe.w13_scale, w2_scale=moe.w2_scale,
+                             block_shape=moe.fp8_block or (128, 128))
+
+
+class TritonMoEBackend:
+    """The fused Triton MoE kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
+
+    @torch.compiler.disable
+    def experts(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        from kernels.fused_moe import fused_moe
+
+        return fused_moe(x, moe.w13, moe.w2, ids, weights, w13_scale=moe.w13_scale, w2_scale=moe.w2_scale,
+                         block_shape=moe.fp8_block or (128, 128))

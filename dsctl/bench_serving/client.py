@@ -1,0 +1,144 @@
+"""Streaming client for OpenAI-compatible /v1/completions and /v1/chat/completions.
+
+Times each request from the moment it is sent: TTFT is the first chunk that
+carries text (content or reasoning), ITLs are the gaps between text chunks.
+Token counts come from the stream's usage chunk (stream_options.include_usage)
+when the server sends one, else from the tokenizer, else from estimates.
+Any failure (HTTP error, error event, broken stream, timeout) becomes a failed
+result with its message; nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dsctl.bench_serving.datasets import BenchRequest
+from dsctl.bench_serving.tokens import TokenCounter
+
+
+@dataclass(frozen=True)
+class Api:
+    base_url: str  # without /v1
+    model: str
+    kind: str = "completions"  # or "chat"
+    api_key: Optional[str] = None
+    ignore_eos: bool = True
+
+    @property
+    def url(self) -> str:
+        return f"{self.base_url}/v1/{'chat/completions' if self.kind == 'chat' else 'completions'}"
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def body(self, req: BenchRequest) -> dict:
+        body = {"model": self.model, "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.kind == "chat":
+            body["messages"] = [{"role": "user", "content": req.prompt}]
+        else:
+            body["prompt"] = req.prompt
+        return body
+
+
+def normalize_base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int
+    output_len: int
+    start: float  # seconds since the benchmark started
+    latency: float  # send -> end of stream
+    ttft: Optional[float] = None
+    chunk_times: list[float] = field(default_factory=list)  # seconds since send, chunks with text
+    error: str = ""
+    counted_by: str = "estimate"  # usage | tokenizer | estimate
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> Optional[float]:
+        if not self.ok or self.ttft is None or self.output_len < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_len - 1)
+
+
+class StreamError(Exception):
+    pass
+
+
+def _chunk_text(obj: dict, kind: str) -> str:
+    choices = obj.get("choices") or []
+    if not choices:
+        return ""
+    if kind == "chat":
+        delta = choices[0].get("delta") or {}
+        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    return choices[0].get("text") or ""
+
+
+def _error_text(status: int, body: bytes) -> str:
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        err = json.loads(text).get("error", text)
+        text = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        pass
+    return f"HTTP {status}: {text[:200]}"
+
+
+async def send(client, api: Api, req: BenchRequest, t0: float, tok: Optional[TokenCounter]) -> RequestResult:
+    """Send one streaming request; never raises for request-level failures."""
+    start = time.perf_counter()
+    times: list[float] = []
+    pieces: list[str] = []
+    usage: dict = {}
+    try:
+        async with client.stream("POST", api.url, json=api.body(req), headers=api.headers) as response:
+            if response.status_code != 200:
+                raise StreamError(_error_text(response.status_code, await response.aread()))
+            done = False
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    done = True
+                    break
+                obj = json.loads(payload)
+                if obj.get("error"):
+                    err = obj["error"]
+                    raise StreamError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
+                text = _chunk_text(obj, api.kind)
+                if text:
+                    times.append(time.perf_counter() - start)
+                    pieces.append(text)
+                usage = obj.get("usage") or usage
+            if not done:
+                raise StreamError("stream ended without [DONE]")
+    except Exception as exc:  # httpx errors, bad JSON, StreamError
+        message = str(exc) if isinstance(exc, StreamError) else f"{type(exc).__name__}: {exc}"
+        return RequestResult(False, req.prompt_len, 0, start - t0, time.perf_counter() - start,
+                             error=message or type(exc).__name__)
+    latency = time.perf_counter() - start
+    if usage.get("completion_tokens") is not None:
+        plen, olen, how = int(usage.get("prompt_tokens") or req.prompt_len), int(usage["completion_tokens"]), "usage"
+    elif tok is not None:
+        plen, olen, how = req.prompt_len, tok.count("".join(pieces)), "tokenizer"
+    else:
+        plen, olen, how = req.prompt_len, len(times), "estimate"
+    return RequestResult(True, plen, olen, start - t0, latency, times[0] if times else None, times,
+                         counted_by=how)

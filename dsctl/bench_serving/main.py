@@ -1,0 +1,113 @@
+"""`dsctl bench serving` end to end: prompts -> load -> metrics -> table, JSON line, plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from rich.console import Console
+
+from dsctl.bench_serving.client import Api, normalize_base_url
+from dsctl.bench_serving.datasets import load_requests
+from dsctl.bench_serving.metrics import Summary, summarize
+from dsctl.bench_serving.report import append_result, record, render
+from dsctl.bench_serving.runner import Load, discover_model, run_load
+from dsctl.bench_serving.tokens import load_tokenizer
+from engine.errors import DsctlError, UsageError
+
+
+class BenchFailed(DsctlError):
+    """No request of the benchmark succeeded."""
+
+    exit_code = 1
+
+
+@dataclass
+class ServingOptions:
+    base_url: str
+    model: Optional[str] = None
+    endpoint: str = "completions"
+    dataset: str = "random"
+    dataset_path: Optional[Path] = None
+    num_prompts: int = 200
+    request_rate: str = "inf"
+    max_concurrency: Optional[int] = None
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    random_range_ratio: float = 1.0
+    sharegpt_output_len: Optional[int] = None
+    seed: int = 0
+    warmup: int = 0
+    slo_ttft_ms: Optional[float] = None
+    slo_tpot_ms: Optional[float] = None
+    tokenizer: Optional[str] = None
+    api_key: Optional[str] = None
+    ignore_eos: bool = True
+    request_timeout: float = 600.0
+    result_file: Optional[Path] = None
+    plot: Optional[Path] = None
+
+
+def parse_rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise UsageError(f"--request-rate must be a number or inf, not {text!r}") from None
+    if not rate > 0:
+        raise UsageError("--request-rate must be > 0 (inf sends every request at once)")
+    return rate
+
+
+def _model(opts: ServingOptions, base: str) -> str:
+    if opts.model:
+        return opts.model
+    try:
+        return discover_model(base, opts.api_key)
+    except Exception as exc:
+        raise UsageError(f"cannot list models at {base}/v1/models ({type(exc).__name__}: {exc}); "
+                         "pass --model") from None
+
+
+def run_serving(opts: ServingOptions, console: Console) -> Summary:
+    rate = parse_rate(opts.request_rate)
+    if opts.endpoint not in ("completions", "chat"):
+        raise UsageError("--endpoint must be completions or chat")
+    if opts.plot is not None:
+        from dsctl.bench_serving.plot import _pyplot
+
+        _pyplot()  # fail before the run, not after it
+    base = normalize_base_url(opts.base_url)
+    api = Api(base, _model(opts, base), opts.endpoint, opts.api_key, opts.ignore_eos)
+    tok = load_tokenizer(opts.tokenizer or opts.model, required=opts.tokenizer is not None)
+    requests = load_requests(opts.dataset, opts.dataset_path, opts.num_prompts, opts.random_input_len,
+                             opts.random_output_len, opts.random_range_ratio, opts.seed, tok,
+                             opts.sharegpt_output_len)
+    load = Load(rate, opts.max_concurrency, opts.request_timeout)
+    console.print(f"{len(requests)} requests ({opts.dataset}) -> {api.url} model={api.model} "
+                  f"rate={rate} max_concurrency={opts.max_concurrency or 'none'} "
+                  f"tokenizer={tok.source if tok else 'none (server usage / estimates)'}")
+    if opts.warmup:
+        warm = [requests[i % len(requests)] for i in range(opts.warmup)]
+        results, _ = run_load(api, warm, Load(math.inf, opts.max_concurrency, opts.request_timeout), opts.seed, tok)
+        failed = [r for r in results if not r.ok]
+        console.print(f"warmup: {len(results) - len(failed)}/{len(results)} ok"
+                      + (f" (first error: {failed[0].error})" if failed else ""))
+    results, duration = run_load(api, requests, load, opts.seed, tok)
+    summary = summarize(results, duration, opts.slo_ttft_ms, opts.slo_tpot_ms)
+    title = f"bench serving: {api.model} @ {base}"
+    render(summary, console, title)
+    if opts.result_file is not None:
+        append_result(opts.result_file, record(summary, dataclasses.asdict(opts) | {"api_key": None}))
+        console.print(f"result appended to {opts.result_file}")
+    if opts.plot is not None:
+        from dsctl.bench_serving.plot import write_plot
+
+        write_plot(results, opts.plot, title)
+        console.print(f"plot written to {opts.plot}")
+    if summary.completed == 0:
+        first = next(iter(summary.errors), "no error recorded")
+        raise BenchFailed(f"all {summary.failed} requests failed; first error: {first}")
+    return summary

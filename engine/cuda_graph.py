@@ -1,0 +1,84 @@
+"""CUDA graphs for decode: capture one graph per batch size, replay with padded inputs.
+
+All graphs read their inputs from one set of static buffers sized for the largest
+captured batch and share one memory pool (captured largest first). A decode batch
+of size b is padded to the smallest captured size >= b: padding rows point at the
+request table's padding row (every slot 0, the KV pool's scratch slot) with
+sequence length 1, so they attend to one scratch token and write only scratch.
+With --enable-torch-compile the model's decode forward is compiled before capture
+for batch sizes up to --torch-compile-max-bs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Callable
+
+import torch
+
+from engine.forward_batch import ForwardBatch, ForwardMode
+
+log = logging.getLogger(__name__)
+
+
+class CudaGraphRunner:
+    def __init__(self, forward: Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor]], batch_sizes: list[int],
+                 padding_row: int, device: torch.device, compiled_forward=None, compile_max_bs: int = 0):
+        self.sizes = sorted(batch_sizes)
+        self.max_bs = self.sizes[-1]
+        self.padding_row = padding_row
+        n = self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.req_pool_indices = torch.full((n,), padding_row, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        for bs in reversed(self.sizes):
+            fn = compiled_forward if compiled_forward is not None and bs <= compile_max_bs else forward
+            fb = self._batch(bs)
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: autotuning, lazy init, compilation
+                    fn(fb)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.outputs[bs] = fn(fb)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(device)
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], extend_lens=torch.ones_like(self.seq_lens[:bs]),
+            prefix_lens=self.seq_lens[:bs] - 1, logits_indices=self.logits_indices[:bs],
+            seq_lens_cpu=[1] * bs, extend_lens_cpu=[1] * bs, prefix_lens_cpu=[0] * bs,
+        )
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.mode is ForwardMode.DECODE and 0 < fb.batch_size <= self.max_bs
+
+    def replay(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        b = fb.batch_size
+        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        self.input_ids[:b].copy_(fb.input_ids)
+        self.positions[:b].copy_(fb.positions)
+        self.req_pool_indices[:b].copy_(fb.req_pool_indices)
+        self.seq_lens[:b].copy_(fb.seq_lens)
+        self.out_cache_loc[:b].copy_(fb.out_cache_loc)
+        if bs > b:
+            self.input_ids[b:bs].zero_()
+            self.positions[b:bs].zero_()
+            self.req_pool_indices[b:bs].fill_(self.padding_row)
+            self.seq_lens[b:bs].fill_(1)
+            self.out_cache_loc[b:bs].zero_()
+        self.graphs[bs].replay()
+        logits, hidden = self.outputs[bs]
+        return logits[:b], hidden[:b]

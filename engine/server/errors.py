@@ -1,0 +1,34 @@
+"""OpenAI-style API errors: `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from starlette.responses import JSONResponse
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def unavailable(message: str, retry_after: int = 1) -> APIError:
+    return APIError(503, message, "service_unavailable_error", None, "service_unavailable",
+                    headers={"Retry-After": str(retry_after)})
+
+
+def server_error(message: str) -> APIError:
+    return APIError(500, message, "server_error", None, "internal_error")

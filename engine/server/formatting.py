@@ -1,0 +1,92 @@
+"""Response pieces shared by the completion routes: ids, SSE framing, log-prob listings."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Optional
+
+from engine.server.detokenizer import decode_token, token_bytes
+from engine.server.generation import Sequence
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class TokenText:
+    """Per-request cache of token id -> text (log-prob listings repeat the same tokens a lot)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.cache = tokenizer, {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = decode_token(self.tokenizer, token_id)
+        return text
+
+
+def completion_logprobs(seq: Sequence, tok: TokenText, echo: bool, start: int, end: int,
+                        offset: int) -> dict:
+    """Legacy completions `logprobs` for output tokens [start, end) (and the prompt when echo).
+
+    top_logprobs entries hold the top-k alternatives plus the chosen token, as
+    evaluation harnesses expect; offset is the text offset of the first token listed.
+    """
+    tokens, lps, tops, offsets = [], [], [], []
+
+    def add(token_id: int, lp: Optional[float], top: Optional[dict]):
+        nonlocal offset
+        text = tok(token_id)
+        tokens.append(text)
+        lps.append(lp)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+
+    if echo:
+        plp = seq.prompt_logprobs or [None] * len(seq.prompt_ids)
+        ptop = seq.prompt_top_logprobs
+        for i, token_id in enumerate(seq.prompt_ids):
+            lp = plp[i] if i < len(plp) else None
+            top = None
+            if lp is not None:
+                top = {tok(t): v for t, v in (ptop[i] if ptop and ptop[i] else [])}
+                top.setdefault(tok(token_id), lp)
+            add(token_id, lp, top)
+    for i in range(start, end):
+        token_id, lp = seq.output_ids[i], seq.logprobs[i] if i < len(seq.logprobs) else None
+        alts = seq.top_logprobs[i] if i < len(seq.top_logprobs) else []
+        top = {tok(t): v for t, v in alts}
+        if lp is not None:
+            top.setdefault(tok(token_id), lp)
+        add(token_id, lp, top)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(seq: Sequence, tok: TokenText, start: int, end: int) -> dict:
+    """Chat `logprobs.content` entries for output tokens [start, end)."""
+    content = []
+    for i in range(start, end):
+        token_id = seq.output_ids[i]
+        text = tok(token_id)
+        alts = seq.top_logprobs[i] if i < len(seq.top_logprobs) else []
+        content.append({
+            "token": text, "logprob": seq.logprobs[i] if i < len(seq.logprobs) else None,
+            "bytes": token_bytes(text),
+            "top_logprobs": [{"token": tok(t), "logprob": v, "bytes": token_bytes(tok(t))} for t, v in alts],
+        })
+    return {"content": content}

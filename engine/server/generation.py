@@ -1,0 +1,162 @@
+"""The sequences of one HTTP request: submit them, merge their outputs, abort what is left.
+
+`Sequence` is one generated choice in the serving process: it gathers token ids
+and log-probs and turns token deltas into text deltas (incremental
+detokenization; text that could still turn out to be the start of a stop string
+is held back, and the stop string itself is never emitted). `Generation`
+submits all sequences of a request (prompts x n) through the EngineClient and
+yields `(index, text_delta, output)` as outputs arrive; leaving its iterator
+early (client gone, error) aborts the sequences still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+from engine.sampling import SamplingParams
+from engine.server.detokenizer import IncrementalDetokenizer
+from engine.server.engine_client import EngineClient, EngineDead, EngineUnavailable, QueueFull
+from engine.server.errors import APIError, bad_request, server_error, unavailable
+from engine.server.protocol import AddFailed, RequestOutput
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokenizer: object
+    prompt_text: Optional[str] = None
+    prompt_index: int = 0  # which prompt of the request (choices of one prompt share it)
+    discard_output: bool = False  # echo-only request: the engine ran one step for prompt log-probs
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: Optional[list[Optional[float]]] = None
+    prompt_top_logprobs: Optional[list] = None
+    finish_reason: Optional[str] = None
+    matched_stop: object = None
+    text: str = ""  # text emitted so far
+    rid: Optional[str] = None
+    # timing (monotonic seconds) for the latency metrics
+    t_submit: float = 0.0
+    t_first: Optional[float] = None
+    t_last: Optional[float] = None
+
+    def __post_init__(self):
+        self.detok = IncrementalDetokenizer(self.tokenizer, self.params.skip_special_tokens)
+        self.holdback = max((len(s) for s in self.params.stop), default=1) - 1
+        self._pushed = 0  # output ids given to the detokenizer
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, out: RequestOutput) -> str:
+        """Take one engine output; return the text it adds."""
+        if self.discard_output:
+            out = RequestOutput(out.rid, prompt_logprobs=out.prompt_logprobs,
+                                prompt_top_logprobs=out.prompt_top_logprobs,
+                                finish_reason=None if not out.finished else
+                                "abort" if out.finish_reason == "abort" else "length")
+        self.output_ids += out.new_token_ids
+        if out.new_logprobs is not None:
+            self.logprobs += out.new_logprobs
+        if out.new_top_logprobs is not None:
+            self.top_logprobs += out.new_top_logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
+        if not out.finished:
+            self._push(len(self.output_ids))
+            cut = len(self.detok.text) - self.holdback
+            delta = self.detok.text[len(self.text):cut] if cut > len(self.text) else ""
+        else:
+            self.finish_reason, self.matched_stop = out.finish_reason, out.matched_stop
+            if out.stop_text is not None:
+                full = out.stop_text
+            else:
+                visible = len(self.output_ids) - (1 if self._stopped_by_token() else 0)
+                self._push(visible)
+                self.detok.flush()
+                full = self.detok.text
+            delta = full[len(self.text):]
+        self.text += delta
+        return delta
+
+    def _stopped_by_token(self) -> bool:
+        return self.finish_reason == "stop" and isinstance(self.matched_stop, int) and bool(self.output_ids)
+
+    def _push(self, upto: int) -> None:
+        if upto > self._pushed:
+            self.detok.push(self.output_ids[self._pushed:upto])
+            self._pushed = upto
+
+
+class Generation:
+    def __init__(self, client: EngineClient, sequences: list[Sequence], metrics=None):
+        self.client, self.sequences, self.metrics = client, sequences, metrics
+        self.sink: asyncio.Queue = asyncio.Queue()
+
+    def submit(self) -> None:
+        """Hand every sequence to the engine, or raise the APIError that refuses the request."""
+        try:
+            self.client.check_capacity(len(self.sequences))
+        except QueueFull as exc:
+            raise unavailable(f"the server is overloaded: {exc}; retry later") from None
+        except EngineUnavailable as exc:
+            raise unavailable(str(exc), retry_after=5) from None
+        now = time.monotonic()
+        for i, seq in enumerate(self.sequences):
+            seq.t_submit = now
+            seq.rid = self.client.submit(seq.prompt_ids, seq.params, self.sink, i)
+
+    async def events(self) -> AsyncIterator[tuple[int, str, RequestOutput]]:
+        """(sequence index, text delta, raw output) as they arrive, until every sequence finished."""
+        left = len(self.sequences)
+        try:
+            while left:
+                index, item = await self.sink.get()
+                if isinstance(item, AddFailed):
+                    raise bad_request(item.message) if item.user_error else server_error(item.message)
+                if isinstance(item, EngineDead):
+                    raise server_error(f"the request could not be completed: {item.message.splitlines()[0]}")
+                seq = self.sequences[index]
+                now = time.monotonic()
+                delta = seq.apply(item)
+                self._observe(seq, item, now)
+                if item.finished:
+                    left -= 1
+                yield index, delta, item
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        for seq in self.sequences:
+            if seq.rid is not None and not seq.finished:
+                self.client.abort(seq.rid)
+                seq.finish_reason = "abort"
+                if self.metrics is not None:
+                    self.metrics.finished(seq, time.monotonic())
+
+    def _observe(self, seq: Sequence, out: RequestOutput, now: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(seq, len(out.new_token_ids), now)
+            if out.finished:
+                self.metrics.finished(seq, now)
+        elif out.new_token_ids:
+            seq.t_first = seq.t_first or now
+            seq.t_last = now
+
+    async def collect(self) -> None:
+        """Run to completion (non-streaming)."""
+        async for _ in self.events():
+            pass
+
+    @property
+    def usage(self) -> dict:
+        prompts = {s.prompt_index: len(s.prompt_ids) for s in self.sequences}
+        prompt = sum(prompts.values())
+        completion = sum(len(s.output_ids) for s in self.sequences)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

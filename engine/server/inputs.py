@@ -1,0 +1,124 @@
+"""From a validated request body to token ids and SamplingParams, checked against the model's limits.
+
+Everything the engine would refuse is refused here first, with a 400 that names
+the parameter: empty prompts, prompts that do not fit the context, token ids
+outside the vocabulary, max_tokens beyond the context, sampling values the
+engine rejects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+from engine.errors import RequestError
+from engine.sampling import SamplingParams
+from engine.server.errors import bad_request
+from engine.server.protocol import EngineInfo
+from engine.server.schemas import MAX_STOP, ChatRequest, CompletionRequest, _Sampling
+
+
+def _need_tokenizer(tokenizer, what: str):
+    if tokenizer is None:
+        raise bad_request(f"this model has no tokenizer files, so {what} cannot be used; send token ids",
+                          param="prompt")
+    return tokenizer
+
+
+def completion_prompts(req: CompletionRequest, tokenizer) -> list[tuple[Optional[str], list[int]]]:
+    """[(prompt text or None, token ids)] for each prompt of a completion request."""
+    p = req.prompt
+    if isinstance(p, str):
+        items: list = [p]
+    elif len(p) == 0:
+        raise bad_request("prompt must not be empty", param="prompt")
+    elif isinstance(p[0], int):
+        items = [p]
+    else:
+        items = list(p)
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append((item, _need_tokenizer(tokenizer, "text prompts").encode(item)))
+        else:
+            out.append((None, list(item)))
+    return out
+
+
+def chat_prompt(req: ChatRequest, tokenizer) -> list[int]:
+    tok = _need_tokenizer(tokenizer, "chat messages")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in req.messages]
+    try:
+        return tok.apply_chat_template(messages)
+    except Exception as exc:  # noqa: BLE001 - template errors (e.g. bad role order) are the client's
+        raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from None
+
+
+def check_prompt(ids: Sequence[int], info: EngineInfo, param: str = "prompt") -> None:
+    n = len(ids)
+    if n == 0:
+        raise bad_request("the prompt is empty", param=param)
+    if n >= info.max_model_len:
+        raise bad_request(f"this model's maximum context length is {info.max_model_len} tokens, but the prompt "
+                          f"has {n} tokens (and at least one token must be generated)",
+                          param=param, code="context_length_exceeded")
+    if n > info.kv_total_tokens:
+        raise bad_request(f"the prompt has {n} tokens but the KV cache holds only {info.kv_total_tokens}",
+                          param=param, code="context_length_exceeded")
+    bad = [t for t in ids if not 0 <= t < info.vocab_size]
+    if bad:
+        raise bad_request(f"token id(s) {bad[:5]} outside the vocabulary [0, {info.vocab_size})", param=param)
+
+
+def max_new_tokens(requested: Optional[int], prompt_len: int, info: EngineInfo, param: str) -> int:
+    room = info.max_model_len - prompt_len
+    if requested is None:
+        return room
+    if requested > room:
+        raise bad_request(f"this model's maximum context length is {info.max_model_len} tokens; you asked for "
+                          f"{prompt_len + requested} ({prompt_len} in the prompt, {requested} to generate)",
+                          param=param, code="context_length_exceeded")
+    return requested
+
+
+def _stops(req: _Sampling) -> list[str]:
+    stop = req.stop
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    stops = [s for s in stops if s]
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"at most {MAX_STOP} stop strings are allowed", param="stop")
+    return stops
+
+
+def base_params(req: _Sampling, info: EngineInfo) -> SamplingParams:
+    """SamplingParams common to every choice of a request (max_new_tokens and seed set per choice)."""
+    bad = [t for t in req.stop_token_ids or [] if not 0 <= t < info.vocab_size]
+    if bad:
+        raise bad_request(f"stop_token_ids {bad[:5]} outside the vocabulary [0, {info.vocab_size})",
+                          param="stop_token_ids")
+    params = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        stop=_stops(req),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+        skip_special_tokens=req.skip_special_tokens is not False,
+    )
+    return _validated(params)
+
+
+def _validated(params: SamplingParams) -> SamplingParams:
+    try:
+        return params.validate()
+    except RequestError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def choice_params(base: SamplingParams, max_tokens: int, seed: Optional[int], index: int) -> SamplingParams:
+    """The params of choice `index`: seeded choices get seed + index so n > 1 choices differ."""
+    s = None if seed is None else (seed + index) % 2 ** 64
+    return _validated(dataclasses.replace(base, max_new_tokens=max_tokens, seed=s, stop=list(base.stop),
+                                          stop_token_ids=list(base.stop_token_ids)))

@@ -1,0 +1,86 @@
+"""Prometheus metrics of the server (text format on GET /metrics), via prometheus_client.
+
+Counters and latency histograms are updated in the serving process as outputs
+arrive; the engine's load and memory gauges (running / waiting requests, KV
+pool usage and free tokens, prefix-cache holdings and hit rate) are read from
+the latest EngineStats at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series: they double the output and nobody here reads them
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class _EngineCollector:
+    """Gauges read from the EngineClient at scrape time."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def collect(self):
+        c, s = self.client, self.client.stats
+        gauges = [
+            ("dsctl_engine_healthy", "1 when the engine process is up and serving.", 1 if c.healthy else 0),
+            ("dsctl_num_requests_running", "Sequences in the running batch.", s.running),
+            ("dsctl_num_requests_waiting", "Sequences waiting in the scheduler.", s.waiting),
+            ("dsctl_num_requests_queued", "Sequences sent to the engine that have no output yet "
+             "(bounded by --max-queued-requests).", len(c.pending)),
+            ("dsctl_kv_cache_total_tokens", "Size of the KV pool in tokens.", s.kv_total_tokens),
+            ("dsctl_kv_cache_free_tokens", "Free token slots in the KV pool.", s.kv_free_tokens),
+            ("dsctl_kv_cache_usage_ratio", "Used fraction of the KV pool (0..1).",
+             1 - s.kv_free_tokens / s.kv_total_tokens if s.kv_total_tokens else 0.0),
+        ]
+        if s.prefix_cache_tokens is not None:
+            gauges.append(("dsctl_prefix_cache_tokens", "KV tokens held by the prefix cache (evictable).",
+                           s.prefix_cache_tokens))
+        if s.prefix_cache_hit_rate is not None:
+            gauges.append(("dsctl_prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.",
+                           s.prefix_cache_hit_rate))
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value))
+            yield g
+
+
+class ServerMetrics:
+    def __init__(self, client):
+        r = self.registry = CollectorRegistry()
+        self.prompt_tokens = Counter("dsctl_prompt_tokens", "Prompt tokens of finished sequences.", registry=r)
+        self.generation_tokens = Counter("dsctl_generation_tokens", "Generated tokens.", registry=r)
+        self.requests = Counter("dsctl_request_finished", "Finished sequences by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.ttft = Histogram("dsctl_time_to_first_token_seconds", "Submission to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("dsctl_inter_token_latency_seconds", "Time between successive tokens.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("dsctl_e2e_request_latency_seconds", "Submission to finish.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_EngineCollector(client))
+
+    def observe(self, seq, new_tokens: int, now: float) -> None:
+        if not new_tokens:
+            return
+        self.generation_tokens.inc(new_tokens)
+        if seq.t_first is None:
+            seq.t_first = now
+            self.ttft.observe(now - seq.t_submit)
+        elif seq.t_last is not None:
+            gap = (now - seq.t_last) / new_tokens
+            for _ in range(new_tokens):
+                self.itl.observe(gap)
+        seq.t_last = now
+
+    def finished(self, seq, now: float) -> None:
+        self.prompt_tokens.inc(len(seq.prompt_ids))
+        self.requests.labels(seq.finish_reason or "abort").inc()
+        self.e2e.observe(now - seq.t_submit)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

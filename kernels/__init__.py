@@ -1,0 +1,1 @@
+"""Triton kernels for DeepSeek models, each with a pure-torch reference beside it."""

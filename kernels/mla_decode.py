@@ -1,0 +1,376 @@
+"""MLA decode attention over the paged latent KV cache (absorbed MLA), in Triton.
+
+One KV head (the latent c_kv plus the shared rope key k_pe) serves every query
+head, so one program takes a group of query heads (BLOCK_H rows) against each
+KV tile: q.k and p.v run on tensor cores (`tl.dot`), and every cached row is read
+once per head group. Long contexts are cut into splits handled by separate
+programs (stage 1 writes a normalised partial output and its log-sum-exp per
+split); stage 2 merges the splits by log-sum-exp. With one split per request
+stage 1 writes the final output directly.
+
+Cache layout: `kv_cache` is [num_slots, 1, Lkv + R] or [num_slots, Lkv + R]
+(bf16, fp16, fp32 or float8_e4m3fn with a scale: dequantised = stored * kv_scale);
+row s holds c_kv (first Lkv values, also the value vector) then k_pe (R values).
+FP8 rows are upcast in-kernel (to fp16 by default: exact for e4m3, queries are
+clamped to fp16's range) and kv_scale is applied to the scores and the output.
+`req_to_token[row, pos]` is the slot of token `pos` of the request in `row`.
+
+Several query tokens per request (speculative verification, `q_per_req=Q`): the
+query rows are grouped per request, row i belongs to request i // Q and is draft
+token j = i % Q, and sees cache positions < seq_lens[i // Q] - (Q - 1 - j)
+(the draft tokens' own KV is already in the cache, causal among the drafts).
+A query row that sees no position outputs zeros.
+
+`mla_decode_ref` is the pure-torch reference (gathers rows, softmax in float32 or
+float64).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+# How stage 1 reads the KV tiles (DecodeConfig.kv_load):
+#   "tile":  one [BLOCK_N, Lkv+R] tile feeds both dots (K^T through tl.trans); the
+#            slot indices are loaded one tile ahead so that Triton multi-buffers the
+#            tile with cp.async. For 16-bit caches.
+#   "split": K^T and V loaded separately (the second read of a row hits L2), each
+#            upcast right before its dot: Triton pipelines a load -> convert -> dot
+#            chain, not one load feeding two dots through a conversion. FP8 caches.
+# (Measured on H100 and dropped, see docs/perf.md: FP8 read as 32-bit words and
+# upcast with inline PTX, alone or for V only; both were slower than "split".)
+KV_LOADS = {"tile": 0, "split": 1}
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode kernels."""
+
+    block_h: int = 16  # query rows (heads x draft tokens) per program
+    block_n: int = 32  # cached tokens per tile
+    num_warps: int = 4
+    num_stages: int = 3
+    kv_load: str = "tile"  # see KV_LOADS
+    fp16_math: bool = False  # FP8 caches: fp16 dots (e4m3 -> fp16 is one cvt per 2 values) instead of bf16
+    min_split_tokens: int = 256  # a request is cut into at most cdiv(seq_len, this) splits
+    programs_per_sm: float = 1.0  # default splits: floor(this * num_SMs / (requests x head groups))
+
+
+@triton.jit
+def _num_splits(seq_len, max_splits, min_split_tokens):
+    n = (seq_len + min_split_tokens - 1) // min_split_tokens
+    return tl.minimum(tl.maximum(n, 1), max_splits)
+
+
+@triton.jit
+def _split_len(seq_len, n_splits, BLOCK_N: tl.constexpr):
+    per = (seq_len + n_splits - 1) // n_splits
+    return ((per + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def dot_operand(x, COMPUTE_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Round a dot operand to the tensor-core type. Triton's interpreter multiplies bf16
+    tensors as raw integers, so there the rounded values go to the dot as float32."""
+    x = x.to(COMPUTE_DTYPE)
+    if INTERPRET:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _mla_decode_stage1(
+    QNope, QRope, KV, KvScalePtr, kv_scale_val, ReqToToken, ReqPool, SeqLens,
+    MidO, MidLse, Out,
+    qk_scale_log2, max_splits, min_split_tokens,
+    stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
+    stride_kv, stride_rtt,
+    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
+    stride_o_b, stride_o_h,
+    H: tl.constexpr, Q_PER_REQ: tl.constexpr, LKV: tl.constexpr, R: tl.constexpr,
+    BLOCK_LKV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALE_PTR: tl.constexpr, KV_LOAD: tl.constexpr, DIRECT_OUT: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    req = tl.program_id(0)
+    hblk = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + req).to(tl.int32)
+    n_splits = _num_splits(seq_len, max_splits, min_split_tokens)
+    if split < n_splits:
+        split_len = _split_len(seq_len, n_splits, BLOCK_N)
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+        pool_row = tl.load(ReqPool + req).to(tl.int64)
+
+        if SCALE_PTR:
+            kv_scale = tl.load(KvScalePtr).to(tl.float32)
+        else:
+            kv_scale = kv_scale_val
+        offs_m = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
+        m_valid = offs_m < H * Q_PER_REQ
+        draft = offs_m // H
+        head = offs_m % H
+        qrow = (req * Q_PER_REQ + draft).to(tl.int64)
+        limit = seq_len - (Q_PER_REQ - 1 - draft)  # positions < limit are visible to this row
+
+        offs_d = tl.arange(0, BLOCK_LKV)
+        offs_r = tl.arange(0, BLOCK_R)
+        d_mask = offs_d < LKV
+        r_mask = offs_r < R
+        q = tl.load(QNope + qrow[:, None] * stride_qn_b + head[:, None] * stride_qn_h + offs_d[None, :],
+                    mask=m_valid[:, None] & d_mask[None, :], other=0.0)
+        qpe = tl.load(QRope + qrow[:, None] * stride_qr_b + head[:, None] * stride_qr_h + offs_r[None, :],
+                      mask=m_valid[:, None] & r_mask[None, :], other=0.0)
+        if COMPUTE_DTYPE == tl.float16:  # keep out-of-range queries finite (fp16 max 65504)
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
+            qpe = tl.minimum(tl.maximum(qpe.to(tl.float32), -65504.0), 65504.0)
+        q = dot_operand(q, COMPUTE_DTYPE, INTERPRET)
+        qpe = dot_operand(qpe, COMPUTE_DTYPE, INTERPRET)
+
+        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # finite: fully masked rows give p = 0, not NaN
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_LKV], dtype=tl.float32)
+        score_scale = qk_scale_log2 * kv_scale
+
+        # The next tile's slot indices are loaded one iteration ahead: with the KV
+        # address no longer depending on a load of the same iteration, Triton
+        # multi-buffers the KV tiles (cp.async) instead of loading them serially.
+        idx_ptr = ReqToToken + pool_row * stride_rtt
+        offs_n = start + tl.arange(0, BLOCK_N)
+        loc_next = tl.load(idx_ptr + offs_n, mask=offs_n < end, other=0)
+        for start_n in range(start, end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            next_n = offs_n + BLOCK_N
+            loc = loc_next.to(tl.int64)
+            loc_next = tl.load(idx_ptr + next_n, mask=next_n < end, other=0)
+            row_ptr = KV + loc[:, None] * stride_kv
+            if KV_LOAD == 0:
+                kv = tl.load(row_ptr + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                kpe = tl.load(row_ptr + LKV + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+                kv = dot_operand(kv, COMPUTE_DTYPE, INTERPRET)
+                qk = tl.dot(q, tl.trans(kv))
+                qk += tl.dot(qpe, tl.trans(dot_operand(kpe, COMPUTE_DTYPE, INTERPRET)))
+            else:
+                col_ptr = KV + loc[None, :] * stride_kv
+                kt = tl.load(col_ptr + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+                kpet = tl.load(col_ptr + LKV + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None], other=0.0)
+                qk = tl.dot(q, dot_operand(kt, COMPUTE_DTYPE, INTERPRET))
+                qk += tl.dot(qpe, dot_operand(kpet, COMPUTE_DTYPE, INTERPRET))
+                kv = tl.load(row_ptr + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                kv = dot_operand(kv, COMPUTE_DTYPE, INTERPRET)
+            qk = qk * score_scale
+            visible = n_mask[None, :] & (offs_n[None, :] < limit[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(dot_operand(p, COMPUTE_DTYPE, INTERPRET), kv)
+            m_i = m_new
+
+        has = l_i > 0.0
+        o = acc * (kv_scale / tl.where(has, l_i, 1.0))[:, None]
+        if DIRECT_OUT:
+            o_ptr = Out + qrow[:, None] * stride_o_b + head[:, None] * stride_o_h + offs_d[None, :]
+            tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
+        else:
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            mo_ptr = MidO + qrow[:, None] * stride_mo_b + head[:, None] * stride_mo_h + split * stride_mo_s
+            tl.store(mo_ptr + offs_d[None, :], o, mask=m_valid[:, None] & d_mask[None, :])
+            tl.store(MidLse + qrow * stride_ml_b + head * stride_ml_h + split, lse, mask=m_valid)
+
+
+@triton.jit
+def _mla_decode_stage2(
+    MidO, MidLse, Out, SeqLens, max_splits, min_split_tokens,
+    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
+    stride_o_b, stride_o_h,
+    Q_PER_REQ: tl.constexpr, LKV: tl.constexpr, BLOCK_LKV: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    qrow = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    req = qrow // Q_PER_REQ
+    seq_len = tl.load(SeqLens + req).to(tl.int32)
+    n_splits = _num_splits(seq_len, max_splits, min_split_tokens)
+    split_len = _split_len(seq_len, n_splits, BLOCK_N)
+    n_used = (seq_len + split_len - 1) // tl.maximum(split_len, 1)  # splits that hold any token
+    n_used = tl.maximum(tl.minimum(n_used, n_splits), 1)
+
+    offs_d = tl.arange(0, BLOCK_LKV)
+    d_mask = offs_d < LKV
+    m_i = -1.0e30  # finite: exp2 of an empty (-inf) split stays 0, never NaN
+    s_i = 0.0
+    acc = tl.zeros([BLOCK_LKV], dtype=tl.float32)
+    mo_ptr = MidO + qrow * stride_mo_b + head * stride_mo_h
+    for s in range(0, n_used):
+        lse = tl.load(MidLse + qrow * stride_ml_b + head * stride_ml_h + s)
+        o = tl.load(mo_ptr + s * stride_mo_s + offs_d, mask=d_mask, other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        old = tl.exp2(m_i - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * old + w * o
+        s_i = s_i * old + w
+        m_i = m_new
+    out = acc / tl.where(s_i > 0.0, s_i, 1.0)
+    tl.store(Out + qrow * stride_o_b + head * stride_o_h + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+
+
+def _compute_dtype(kv_dtype: torch.dtype, fp16_math: bool):
+    """Operand type of the tensor-core dots: the cache's; for FP8 caches fp16 or bf16."""
+    if kv_dtype.itemsize == 1 and fp16_math:
+        return tl.float16
+    return {torch.float16: tl.float16, torch.float32: tl.float32}.get(kv_dtype, tl.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_config(num_q_rows_per_req: int, kv_dtype: torch.dtype) -> DecodeConfig:
+    """Launch parameters: the fastest of benchmarks/bench_mla.py --sweep on H100 (docs/perf.md).
+
+    num_q_rows_per_req = heads x query tokens per request. Every config is correct on
+    any shape; these only set speed.
+    """
+    rows = num_q_rows_per_req
+    fp8 = kv_dtype.itemsize == 1
+    if rows <= 32:  # 16 heads (TP 8), also with 2 draft tokens: one program per request's rows
+        return DecodeConfig(block_h=16 if rows <= 16 else 32, block_n=64, num_warps=8, num_stages=3,
+                            kv_load="split" if fp8 else "tile", fp16_math=fp8, min_split_tokens=256)
+    # 128 heads (DP attention): 64-row head groups (wgmma), compute-bound.
+    return DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, kv_load="split" if fp8 else "tile",
+                        min_split_tokens=128)
+
+
+def _default_splits(num_reqs: int, head_groups: int, max_ctx: int, cfg: DecodeConfig, device: torch.device) -> int:
+    """Splits per request so that the stage-1 grid fills whole waves: floor, not ceil, since
+    a few programs spilling into a second wave would double the time."""
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 8
+    want = math.floor(cfg.programs_per_sm * sms / max(1, num_reqs * head_groups))
+    cap = max(1, math.ceil(max_ctx / cfg.min_split_tokens))
+    return int(max(1, min(want, cap, 64)))
+
+
+def mla_decode(q_nope_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+               sm_scale: float, num_kv_splits: int | None = None, q_per_req: int = 1,
+               kv_scale: float | torch.Tensor = 1.0, out: torch.Tensor | None = None,
+               config: DecodeConfig | None = None) -> torch.Tensor:
+    """Absorbed-MLA decode attention; returns the latent-space output [B*Q, H, Lkv].
+
+    q_nope_latent [B*Q, H, Lkv], q_rope [B*Q, H, R]; kv_cache [num_slots, (1,) Lkv+R];
+    req_to_token [max_reqs, max_ctx] int32; req_pool_indices, seq_lens [B] (one per
+    request, seq_lens counting every cached token including the Q draft tokens).
+    num_kv_splits caps the splits per request (None: chosen from batch size and SM
+    count; with it given, splits are as small as one tile). kv_scale: python float
+    or a 1-element tensor on the device (read in-kernel, no host sync). out: optional
+    preallocated [B*Q, H, Lkv] output (written in full).
+    """
+    rows, num_heads, lkv = q_nope_latent.shape
+    rope = q_rope.shape[-1]
+    num_reqs = seq_lens.shape[0]
+    if rows != num_reqs * q_per_req or q_rope.shape[:2] != (rows, num_heads):
+        raise ValueError(f"query rows {rows} != {num_reqs} requests x q_per_req {q_per_req}")
+    kv = kv_cache.squeeze(1) if kv_cache.dim() == 3 and kv_cache.shape[1] == 1 else kv_cache
+    if kv.dim() != 2 or kv.shape[-1] != lkv + rope or kv.stride(-1) != 1:
+        raise ValueError(f"kv_cache rows must be contiguous with {lkv}+{rope} values, got {tuple(kv_cache.shape)}")
+    if q_nope_latent.stride(-1) != 1 or q_rope.stride(-1) != 1 or req_to_token.stride(-1) != 1:
+        raise ValueError("q_nope_latent, q_rope and req_to_token need a contiguous last dimension")
+    if out is None:
+        out = q_nope_latent.new_empty(rows, num_heads, lkv)
+    if rows == 0:
+        return out
+
+    cfg = config or default_config(num_heads * q_per_req, kv.dtype)
+    head_groups = triton.cdiv(num_heads * q_per_req, cfg.block_h)
+    if num_kv_splits is None:
+        max_splits = _default_splits(num_reqs, head_groups, req_to_token.shape[1], cfg, q_nope_latent.device)
+        min_split = cfg.min_split_tokens
+    else:
+        max_splits, min_split = max(1, int(num_kv_splits)), cfg.block_n
+    direct = max_splits == 1
+    if direct:
+        mid_o = out
+        mid_lse = out  # unused
+        mo_strides = (0, 0, 0)
+        ml_strides = (0, 0)
+    else:
+        mid_o = torch.empty(rows, num_heads, max_splits, lkv, dtype=torch.float32, device=out.device)
+        mid_lse = torch.empty(rows, num_heads, max_splits, dtype=torch.float32, device=out.device)
+        mo_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
+        ml_strides = (mid_lse.stride(0), mid_lse.stride(1))
+
+    kv_load = "split" if kv.element_size() < 2 else cfg.kv_load  # 8-bit tiles need one dot per load
+    scale_ptr = isinstance(kv_scale, torch.Tensor)
+    block_lkv = triton.next_power_of_2(lkv)
+    block_r = max(16, triton.next_power_of_2(rope))
+    _mla_decode_stage1[(num_reqs, head_groups, max_splits)](
+        q_nope_latent, q_rope, kv, kv_scale if scale_ptr else kv, 1.0 if scale_ptr else float(kv_scale),
+        req_to_token, req_pool_indices, seq_lens,
+        mid_o, mid_lse, out,
+        float(sm_scale) * _LOG2E, max_splits, min_split,
+        q_nope_latent.stride(0), q_nope_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        kv.stride(0), req_to_token.stride(0),
+        *mo_strides, *ml_strides,
+        out.stride(0), out.stride(1),
+        H=num_heads, Q_PER_REQ=q_per_req, LKV=lkv, R=rope,
+        BLOCK_LKV=block_lkv, BLOCK_R=block_r, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        SCALE_PTR=scale_ptr, KV_LOAD=KV_LOADS[kv_load], DIRECT_OUT=direct,
+        COMPUTE_DTYPE=_compute_dtype(kv.dtype, cfg.fp16_math), INTERPRET=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        _mla_decode_stage2[(rows, num_heads)](
+            mid_o, mid_lse, out, seq_lens, max_splits, min_split,
+            *mo_strides, *ml_strides,
+            out.stride(0), out.stride(1),
+            Q_PER_REQ=q_per_req, LKV=lkv, BLOCK_LKV=block_lkv, BLOCK_N=cfg.block_n,
+            num_warps=4 if block_lkv >= 256 else 1,
+        )
+    return out
+
+
+def mla_decode_ref(q_nope_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                   req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                   sm_scale: float, q_per_req: int = 1, kv_scale: float | torch.Tensor = 1.0,
+                   compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Pure-torch reference of `mla_decode` (same arguments); output in q's dtype."""
+    rows, num_heads, lkv = q_nope_latent.shape
+    kv = kv_cache.reshape(kv_cache.shape[0], -1)
+    scale = float(kv_scale)
+    out = torch.zeros(rows, num_heads, lkv, dtype=compute_dtype, device=q_nope_latent.device)
+    for r in range(seq_lens.shape[0]):
+        n = int(seq_lens[r])
+        slots = req_to_token[int(req_pool_indices[r]), :n].long()
+        cache = kv[slots].to(compute_dtype) * scale
+        c, kpe = cache[:, :lkv], cache[:, lkv:]
+        for j in range(q_per_req):
+            i = r * q_per_req + j
+            visible = n - (q_per_req - 1 - j)
+            if visible <= 0:
+                continue
+            q = q_nope_latent[i].to(compute_dtype)
+            qp = q_rope[i].to(compute_dtype)
+            scores = (q @ c[:visible].T + qp @ kpe[:visible].T) * sm_scale
+            out[i] = scores.softmax(-1) @ c[:visible]
+    return out.to(q_nope_latent.dtype)

@@ -1,0 +1,171 @@
+"""MoE router: fused grouped top-k over router logits (DeepSeek V2/V3 gate methods).
+
+  moe_gate(logits [T, E] or hidden [T, H] + gate_weight [E, H], method=..., top_k=...)
+      -> (topk_weights [T, top_k] float32, topk_ids [T, top_k] int32)
+
+Methods:
+- noaux_tc (V3/R1): scores = sigmoid(logits); choice = scores + e_score_correction_bias;
+  group score = sum of the top-2 choices of each of n_group groups; keep topk_group
+  groups; top-k experts by choice among them; weights = the unbiased scores.
+- group_limited_greedy (V2): scores = softmax(logits); group score = max score; keep
+  topk_group groups; top-k by score among them.
+- greedy (V2-Lite): top-k by softmax score.
+Then weights /= their sum if norm_topk_prob (and top_k > 1), and *= routed_scaling_factor.
+Ids come out in descending order of the selection key (choice or score); ties go to the
+lower expert index. One program handles BLOCK_T tokens x all experts in registers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+METHODS = {"noaux_tc": 0, "group_limited_greedy": 1, "greedy": 2}
+
+
+def _logits(x: torch.Tensor, gate_weight: Optional[torch.Tensor]) -> torch.Tensor:
+    return x.float() if gate_weight is None else F.linear(x.float(), gate_weight.float())
+
+
+def _scoring(method: str, scoring_func: Optional[str]) -> str:
+    return scoring_func or ("sigmoid" if method == "noaux_tc" else "softmax")
+
+
+def moe_gate_ref(x: torch.Tensor, gate_weight: Optional[torch.Tensor] = None, *, top_k: int,
+                 method: str = "noaux_tc", n_group: int = 1, topk_group: int = 1,
+                 correction_bias: Optional[torch.Tensor] = None, norm_topk_prob: bool = True,
+                 routed_scaling_factor: float = 1.0, scoring_func: Optional[str] = None,
+                 ids_dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference for `moe_gate` (same arguments)."""
+    logits = _logits(x, gate_weight)
+    t, e = logits.shape
+    scores = logits.sigmoid() if _scoring(method, scoring_func) == "sigmoid" else logits.softmax(-1)
+    if method == "greedy":
+        weights, ids = scores.topk(top_k, dim=-1)
+    else:
+        biased = method == "noaux_tc" and correction_bias is not None
+        choice = scores + correction_bias.float() if biased else scores
+        groups = choice.view(t, n_group, e // n_group)
+        if method == "noaux_tc":
+            group_score = groups.topk(min(2, e // n_group), dim=-1).values.sum(-1)
+        else:
+            group_score = groups.max(-1).values
+        keep = group_score.topk(topk_group, dim=-1).indices
+        gmask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+        emask = gmask.repeat_interleave(e // n_group, dim=1)
+        ids = choice.masked_fill(~emask, float("-inf")).topk(top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+    if norm_topk_prob and top_k > 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids.to(ids_dtype)
+
+
+@triton.jit
+def _argmax_first(v, idx, BIG: tl.constexpr):
+    """Per row: max of v and the lowest index reaching it."""
+    m = tl.max(v, axis=1)
+    return m, tl.min(tl.where(v == m[:, None], idx[None, :], BIG), axis=1)
+
+
+@triton.jit
+def _moe_gate_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_lt, scaling,
+                     TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                     GROUP_SIZE: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    r_mask = rows < T
+    rows_c = tl.minimum(rows, T - 1).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    e_ok = (e < E)[None, :]
+    x = tl.load(logits_ptr + rows_c[:, None] * stride_lt + e[None, :], mask=e_ok, other=float("-inf"))
+    x = x.to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        p = tl.exp(x - tl.max(x, axis=1)[:, None])
+        scores = p / tl.sum(p, axis=1)[:, None]
+    neg = float("-inf")
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32)[None, :]
+    choice = tl.where(e_ok, choice, neg)
+
+    if METHOD != 2:
+        grp = e // GROUP_SIZE
+        g_idx = tl.arange(0, BLOCK_G)
+        gscore = tl.full((BLOCK_T, BLOCK_G), neg, tl.float32)
+        for g in tl.static_range(N_GROUP):
+            v = tl.where((grp == g)[None, :], choice, neg)
+            if METHOD == 0 and GROUP_SIZE > 1:
+                m1, first = _argmax_first(v, e, BLOCK_E)
+                s = m1 + tl.max(tl.where(e[None, :] == first[:, None], neg, v), axis=1)
+            else:
+                s = tl.max(v, axis=1)
+            gscore = tl.where(g_idx[None, :] == g, s[:, None], gscore)
+        keep = tl.zeros((BLOCK_T, BLOCK_G), tl.int32)
+        for i in tl.static_range(TOPK_GROUP):
+            _, gi = _argmax_first(tl.where(keep > 0, neg, gscore), g_idx, BLOCK_G)
+            keep = tl.where(g_idx[None, :] == gi[:, None], 1, keep)
+        allowed = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
+        for g in tl.static_range(N_GROUP):
+            kept = tl.sum(tl.where(g_idx[None, :] == g, keep, 0), axis=1)
+            allowed = tl.where((grp == g)[None, :] & (kept[:, None] > 0), 1, allowed)
+        choice = tl.where(allowed > 0, choice, neg)
+
+    k_idx = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+    ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+    for i in tl.static_range(TOP_K):
+        _, best = _argmax_first(choice, e, BLOCK_E)
+        hit = e[None, :] == best[:, None]
+        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        weights = tl.where(k_idx[None, :] == i, w[:, None], weights)
+        ids = tl.where(k_idx[None, :] == i, best[:, None], ids)
+        choice = tl.where(hit, neg, choice)
+    if NORM:
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
+    weights = weights * scaling
+    out_mask = r_mask[:, None] & (k_idx[None, :] < TOP_K)
+    offs = rows_c[:, None] * TOP_K + k_idx[None, :]
+    tl.store(w_ptr + offs, weights, mask=out_mask)
+    tl.store(ids_ptr + offs, ids.to(ids_ptr.dtype.element_ty), mask=out_mask)
+
+
+def moe_gate(x: torch.Tensor, gate_weight: Optional[torch.Tensor] = None, *, top_k: int,
+             method: str = "noaux_tc", n_group: int = 1, topk_group: int = 1,
+             correction_bias: Optional[torch.Tensor] = None, norm_topk_prob: bool = True,
+             routed_scaling_factor: float = 1.0, scoring_func: Optional[str] = None,
+             ids_dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (or hidden [T, H] with gate_weight [E, H]; logits in float32)
+    -> (topk_weights [T, top_k] float32, topk_ids [T, top_k] ids_dtype)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown gate method {method!r}; expected one of {sorted(METHODS)}")
+    logits = _logits(x, gate_weight)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    t, e = logits.shape
+    if method == "greedy":
+        n_group = topk_group = 1
+    if e % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (e // n_group):
+        raise ValueError(f"E={e}, n_group={n_group}, topk_group={topk_group}, top_k={top_k} do not fit")
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=ids_dtype, device=logits.device)
+    if t == 0 or top_k == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(e)
+    block_t = max(1, min(16, 2048 // block_e, triton.next_power_of_2(t)))
+    bias = correction_bias if correction_bias is not None else logits
+    _moe_gate_kernel[(triton.cdiv(t, block_t),)](
+        logits, bias, weights, ids, t, e, logits.stride(0), float(routed_scaling_factor),
+        TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, GROUP_SIZE=e // n_group,
+        METHOD=METHODS[method], SIGMOID=_scoring(method, scoring_func) == "sigmoid",
+        HAS_BIAS=correction_bias is not None and method == "noaux_tc", NORM=norm_topk_prob and top_k > 1,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(n_group),
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+    return weights, ids

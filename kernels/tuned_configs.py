@@ -1,0 +1,205 @@
+"""Tuned launch configs for the fused-MoE and block-FP8 GEMM kernels: file names, look-up, defaults.
+
+Files (JSON: {"<batch size M>": {"BLOCK_SIZE_M": .., "BLOCK_SIZE_N": .., "BLOCK_SIZE_K": ..,
+"GROUP_SIZE_M": .., "num_warps": .., "num_stages": ..}, ...}):
+  fused MoE:   E={E},N={N},device_name={GPU},dtype={fp8_w8a8|bf16},block_shape=[128, 128].json
+               (the block_shape part only for block-quantised weights: a bf16 file ends at dtype=bf16)
+  block GEMM:  N={N},K={K},device_name={GPU},dtype=fp8_w8a8,block_shape=[128, 128].json
+GPU names are torch's device name with spaces -> underscores (NVIDIA_H100_80GB_HBM3, NVIDIA_H200).
+Optional keys: QUANT_A (the GEMM quantises its own activation tiles), <KEY>_DOWN (fused MoE:
+<KEY> for the down-projection GEMM only), CUBLAS (block GEMM: cuBLASLt's block-scaled FP8
+GEMM where available, the Triton tiles of the same dict otherwise).
+
+Search order: the user directory (argument, else env DSCTL_KERNEL_CONFIG_DIR), then
+kernels/configs/ shipped in the package. A look-up picks the tuned M nearest the
+actual one (ties: the smaller). With no file, defaults are used and a warning naming
+the `dsctl tune-moe` / `dsctl tune-fp8` command that would write it is logged once.
+`dsctl tune-*` (tuning/) writes files with `save_configs`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+log = logging.getLogger("dsctl.kernels")
+
+ENV_DIR = "DSCTL_KERNEL_CONFIG_DIR"
+SHIPPED_DIR = Path(__file__).resolve().parent / "configs"
+CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+_warned: set[str] = set()
+_memo: dict[tuple, dict] = {}
+
+Device = Union[torch.device, str, None]
+
+
+def normalize_device_name(name: str) -> str:
+    return name.strip().replace(" ", "_")
+
+
+def device_name(device: Device = None) -> str:
+    """NVIDIA_H100_80GB_HBM3-style name of a CUDA device; 'cpu' when there is none."""
+    dev = torch.device(device) if device is not None else None
+    if (dev is None or dev.type == "cuda") and torch.cuda.is_available():
+        return normalize_device_name(torch.cuda.get_device_name(dev))
+    return "cpu"
+
+
+def _block_part(block_shape) -> str:
+    return "" if block_shape is None else f",block_shape=[{int(block_shape[0])}, {int(block_shape[1])}]"
+
+
+def moe_config_filename(E: int, N: int, device: str, dtype: str, block_shape=(128, 128)) -> str:
+    """dtype 'fp8_w8a8' with block_shape (128, 128), or e.g. 'bf16' with block_shape None."""
+    return f"E={E},N={N},device_name={normalize_device_name(device)},dtype={dtype}{_block_part(block_shape)}.json"
+
+
+def fp8_gemm_config_filename(N: int, K: int, device: str, block_shape=(128, 128)) -> str:
+    return f"N={N},K={K},device_name={normalize_device_name(device)},dtype=fp8_w8a8{_block_part(block_shape)}.json"
+
+
+def config_dirs(user_dir: Optional[Union[str, Path]] = None) -> list[Path]:
+    dirs = []
+    user = user_dir or os.environ.get(ENV_DIR)
+    if user:
+        dirs.append(Path(user).expanduser())
+    dirs.append(SHIPPED_DIR)
+    return dirs
+
+
+def find_config_file(filename: str, user_dir: Optional[Union[str, Path]] = None) -> Optional[Path]:
+    for d in config_dirs(user_dir):
+        if (d / filename).is_file():
+            return d / filename
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _read(path: str, mtime: float) -> dict[int, dict]:
+    with open(path) as f:
+        raw = json.load(f)
+    return {int(m): {k: int(v) for k, v in cfg.items()} for m, cfg in raw.items()}
+
+
+def load_configs(path: Union[str, Path]) -> dict[int, dict]:
+    """{M: config} from a JSON file (keys back to ints); cached until the file changes."""
+    p = Path(path)
+    return dict(_read(str(p), p.stat().st_mtime))
+
+
+def save_configs(path: Union[str, Path], configs: dict[int, dict]) -> None:
+    """Write {M: config} as JSON, sorted by M (the format load_configs reads)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    data = {str(m): {k: int(v) for k, v in configs[m].items()} for m in sorted(configs)}
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=4) + "\n")
+    tmp.replace(p)
+
+
+def nearest_config(configs: dict[int, dict], m: int) -> dict:
+    """The config tuned for the batch size nearest m (ties: the smaller)."""
+    best = min(configs, key=lambda k: (abs(k - m), k))
+    return dict(configs[best])
+
+
+def _warn_once(filename: str, command: str, user_dir) -> None:
+    if filename in _warned:
+        return
+    _warned.add(filename)
+    dirs = ", ".join(str(d) for d in config_dirs(user_dir))
+    log.warning("no tuned kernel config %s (looked in %s); using defaults, which may be slower. "
+                "`%s` writes it (then point --out-dir or %s at it).", filename, dirs, command, ENV_DIR)
+
+
+def _cfg(bm, bn, bk, gm=1, warps=4, stages=3, **extra) -> dict:
+    return dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, num_warps=warps,
+                num_stages=stages, **extra)
+
+
+def default_moe_config(M: int, E: int, N: int, top_k: int, dtype: str) -> dict:
+    """Launch config when no tuned file exists (from H100 measurements, docs/perf.md)."""
+    per_expert = M * top_k / max(E, 1)  # average rows per expert
+    if dtype == "fp8_w8a8":
+        if per_expert <= 8:  # decode: weight streaming, many narrow tiles
+            return _cfg(16, 32, 128, stages=4, BLOCK_SIZE_N_DOWN=64)
+        if per_expert <= 64:
+            return _cfg(32, 128, 128, stages=3)
+        return _cfg(64, 128, 128, gm=16, stages=3)
+    if dtype == "fp32":  # 4-byte operands: the 16-bit tiles would overflow shared memory (228 KB on H100)
+        return _cfg(16, 64, 64, stages=2) if per_expert <= 4 else _cfg(32, 64, 32, gm=8, stages=2)
+    if per_expert <= 4:
+        return _cfg(16, 64, 128, stages=3)
+    return _cfg(64, 128, 64, gm=16, stages=3)
+
+
+def default_fp8_gemm_config(M: int, N: int, K: int) -> dict:
+    """Triton tile sizes; from M = 16 up also CUBLAS=1 (cuBLASLt's block-scaled GEMM, used where
+    it is available and K % 512 == 0; it beat the Triton kernel on every such H100 shape)."""
+    if M < 16:
+        return _cfg(16, 64, 128, stages=4)
+    if M <= 16:
+        return _cfg(16, 64, 128, stages=4, CUBLAS=1)
+    if M <= 64:
+        return _cfg(32, 64, 128, stages=4, CUBLAS=1)
+    return _cfg(64, 128, 128, gm=8, stages=3, CUBLAS=1)
+
+
+def moe_dtype_name(weight_dtype: torch.dtype) -> str:
+    return "fp8_w8a8" if weight_dtype == torch.float8_e4m3fn else {
+        torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[weight_dtype]
+
+
+def clear_config_cache() -> None:
+    """Forget memoised look-ups (after writing new files in the same process)."""
+    _memo.clear()
+
+
+def _memoised(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        key = (fn.__name__, args, tuple(sorted(kwargs.items())), os.environ.get(ENV_DIR))
+        try:
+            hit = _memo.get(key)
+        except TypeError:  # unhashable argument: no memo
+            return fn(*args, **kwargs)
+        if hit is None:
+            hit = _memo[key] = fn(*args, **kwargs)
+        return dict(hit)
+    return wrapper
+
+
+@_memoised
+def get_moe_config(E: int, N: int, M: int, top_k: int, dtype: str, device: Device = None,
+                   device_name_override: Optional[str] = None, user_dir=None,
+                   block_shape=(128, 128)) -> dict:
+    """Fused-MoE config for M tokens (N = per-rank moe intermediate size; dtype fp8_w8a8|bf16|...)."""
+    name = device_name_override or device_name(device)
+    fname = moe_config_filename(E, N, name, dtype, block_shape if dtype == "fp8_w8a8" else None)
+    path = find_config_file(fname, user_dir)
+    if path is not None:
+        return nearest_config(load_configs(path), M)
+    if name != "cpu":
+        _warn_once(fname, f"dsctl tune-moe --model <model> --tp <tp> --dtype {dtype}", user_dir)
+    return default_moe_config(M, E, N, top_k, dtype)
+
+
+@_memoised
+def get_fp8_gemm_config(N: int, K: int, M: int, device: Device = None,
+                        device_name_override: Optional[str] = None, user_dir=None,
+                        block_shape=(128, 128)) -> dict:
+    """Block-FP8 GEMM config for an [M, K] x [N, K]^T product."""
+    name = device_name_override or device_name(device)
+    fname = fp8_gemm_config_filename(N, K, name, block_shape)
+    path = find_config_file(fname, user_dir)
+    if path is not None:
+        return nearest_config(load_configs(path), M)
+    if name != "cpu":
+        _warn_once(fname, "dsctl tune-fp8 --model <model> --tp <tp>", user_dir)
+    return default_fp8_gemm_config(M, N, K)
