@@ -12,6 +12,7 @@ This module must stay importable without torch so that `dsctl --help` is fast.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -74,8 +75,9 @@ class EngineArgs:
 
     # ---- kernels and GPU execution ----------------------------------------------
     attention_backend: str = flag(
-        "auto", "MLA attention kernels: 'triton' (CUDA default), 'torch' (reference; CPU default).",
-        group=GPU, choices=("auto", "triton", "torch"),
+        "auto", "MLA attention kernels: 'triton' (CUDA default), 'torch' (reference; CPU default); "
+        "'flashinfer' is reserved and rejected until its backend lands.",
+        group=GPU, choices=("auto", "triton", "torch", "flashinfer"),
     )
     moe_backend: str = flag(
         "auto", "MoE expert kernels: 'triton' fused MoE (CUDA default) or 'torch' (reference; CPU default).",
@@ -100,6 +102,10 @@ class EngineArgs:
         "across restarts).", group=GPU,
     )
     torch_compile_max_bs: int = flag(32, "Largest decode batch that uses the torch.compile'd path.", group=GPU)
+    kernel_config_dir: Optional[str] = flag(
+        None, "Directory of tuned kernel configs (from dsctl tune-moe / tune-fp8), searched before the shipped "
+        "ones (default: $DSCTL_KERNEL_CONFIG_DIR).", group=GPU,
+    )
 
     # ---- HTTP server (dsctl serve) ----------------------------------------------
     host: str = flag("127.0.0.1", "Address to listen on (0.0.0.0 for every interface).", group=SERVER)
@@ -159,6 +165,12 @@ class EngineArgs:
                 raise UsageError(f"{name} must not be empty")
 
     def _validate_gpu(self) -> None:
+        if self.kernel_config_dir is not None and not os.path.isdir(os.path.expanduser(self.kernel_config_dir)):
+            raise UsageError(f"--kernel-config-dir {self.kernel_config_dir}: no such directory")
+        if self.attention_backend == "flashinfer":
+            raise UsageError("--attention-backend flashinfer is not available in this dsctl release (FlashInfer's "
+                             "MLA wrapper is not integrated yet); use --attention-backend triton, the CUDA default, "
+                             "which runs the same absorbed-MLA decode with Triton kernels")
         if not 0 < self.mem_fraction_static < 1:
             raise UsageError(f"--mem-fraction-static must be in (0, 1) (got {self.mem_fraction_static})")
         if self.cuda_graph_max_bs < 1 or self.torch_compile_max_bs < 1:

@@ -8,6 +8,7 @@ sizes the KV pool and request table, and wires the attention backend.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -54,6 +55,8 @@ class ModelRunner:
     def __init__(self, args: EngineArgs, resolved: Optional[ResolvedModel] = None):
         args.validate()
         self.args = args
+        if args.kernel_config_dir:  # kernels/tuned_configs.py searches this env var before the shipped configs
+            os.environ["DSCTL_KERNEL_CONFIG_DIR"] = os.path.abspath(os.path.expanduser(args.kernel_config_dir))
         self.resolved = resolved or resolve_model(args)
         cfg = self.resolved.config
         self.device = pick_device(args.device)

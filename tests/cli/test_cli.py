@@ -77,3 +77,12 @@ def test_prompt_longer_than_context():
 def test_bad_flag_values(flag, value):
     res = dsctl("generate", "-p", "x", flag, value)
     _one_line_error(res, flag)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (("--attention-backend", "flashinfer"), "--attention-backend triton"),
+    (("--kv-cache-dtype", "fp8_e5m2"), "CUDA GPU"),
+    (("--enable-torch-compile", "--disable-cuda-graph"), "--enable-torch-compile"),
+])
+def test_unsupported_combinations_rejected_at_startup(extra, needle):
+    _one_line_error(dsctl("generate", "-p", "x", *extra), needle)
