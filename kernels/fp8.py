@@ -27,6 +27,8 @@ EPS = 1e-10
 import triton
 import triton.language as tl
 
+from kernels.tile_order import grouped_tile
+
 
 def interpreting() -> bool:
     """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1)."""
@@ -177,11 +179,7 @@ def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
-    group = GROUP_SIZE_M * num_pid_n
-    first_m = (pid // group) * GROUP_SIZE_M
-    group_m = min(num_pid_m - first_m, GROUP_SIZE_M)
-    pid_m = first_m + (pid % group) % group_m
-    pid_n = (pid % group) // group_m
+    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M)
 
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)

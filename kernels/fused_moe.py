@@ -26,6 +26,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.tile_order import grouped_tile
+
 from kernels.fp8 import (FP8_DTYPE, dequant_groups_ref, expand_block_scale, groups_per_program,
                          interpreting, per_token_group_quant_fp8, per_token_group_quant_fp8_ref, quant_groups,
                          quant_tile, store_cast)
@@ -103,11 +105,7 @@ def _moe_gemm_kernel(
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
-    group = GROUP_SIZE_M * num_pid_n
-    first_m = (pid // group) * GROUP_SIZE_M
-    group_m = min(num_pid_m - first_m, GROUP_SIZE_M)
-    pid_m = first_m + (pid % group) % group_m
-    pid_n = (pid % group) // group_m
+    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M)
     if pid_m * BLOCK_SIZE_M >= tl.load(npp_ptr):
         return
 
