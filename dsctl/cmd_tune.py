@@ -2,8 +2,10 @@
 
 The shapes come from the model config and the parallel layout (tuning/shapes.py); each shape
 gets one JSON file named as kernels/tuned_configs.py looks it up, written to --out-dir
-(default: $DSCTL_KERNEL_CONFIG_DIR if set, else the package's kernels/configs/), so the engine
-uses it with no further step. --dry-run shows the plan without a GPU.
+(default: $DSCTL_KERNEL_CONFIG_DIR if set, else the package's kernels/configs/: both are
+directories the look-up searches, so the engine uses the files with no further step).
+--dry-run shows the plan without a GPU; --verify-exhaustive compares the staged search with
+the exhaustive one at a few batch sizes (tuning/verify.py).
 """
 
 from __future__ import annotations
@@ -17,19 +19,42 @@ import typer
 from engine.errors import UsageError
 
 _MODEL_HELP = "Model alias (deepseek-v3, deepseek-r1, ...; see `dsctl models`) or a checkpoint directory."
-_BATCH_HELP = "Comma-separated batch sizes (tokens per forward) [default: 1,2,4,8,16,24,32,48,64,96,128,256,512,1024,1536,2048,3072,4096]."
-_OUT_HELP = "Where to write the config files [default: $DSCTL_KERNEL_CONFIG_DIR, else the shipped kernels/configs/]."
+_BATCH_HELP = ("Comma-separated batch sizes (tokens per forward) "
+               "(default: SGLang's 1,2,4,8,16,24,32,48,64,96,128,256,512,1024,1536,2048,3072,4096).")
+_OUT_HELP = "Where to write the config files (default: $DSCTL_KERNEL_CONFIG_DIR, else the shipped kernels/configs/; both are searched by the engine)."
+_VERIFY_HELP = ("Run the exhaustive search (SGLang's full grid) at these batch sizes and compare it with the "
+                "staged search's pick (e.g. 8,256,2048; slow). Alone: only the comparison; with --batch-sizes: "
+                "after tuning those.")
 
 
-def _options(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, workers, device_name):
+def _batch_list(text: Optional[str], flag: str) -> Optional[list[int]]:
+    from tuning.shapes import parse_batch_sizes
+
+    if not text:
+        return None
+    try:
+        return parse_batch_sizes(text)
+    except UsageError as exc:
+        raise UsageError(str(exc).replace("--batch-sizes", flag)) from None
+
+
+def _options(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, workers, device_name, grid,
+             device):
+    from tuning import search_space as ss
     from tuning.runner import TuneOptions
     from tuning.shapes import parse_batch_sizes
 
     if max_configs is not None and max_configs < 1:
         raise UsageError("--max-configs must be >= 1")
-    return TuneOptions(batch_sizes=parse_batch_sizes(batch_sizes), out_dir=_out_dir(out_dir), device_name=device_name,
-                       resume=resume, exhaustive=exhaustive, max_configs=max_configs, time_limit=time_limit,
-                       workers=workers)
+    if grid not in ss.GRIDS:
+        raise UsageError(f"--grid {grid!r}: choose one of {', '.join(ss.GRIDS)}")
+    coarse, full = ss.GRIDS[grid]
+    opts = TuneOptions(batch_sizes=parse_batch_sizes(batch_sizes), out_dir=_out_dir(out_dir),
+                       device_name=device_name, resume=resume, exhaustive=exhaustive, max_configs=max_configs,
+                       time_limit=time_limit, workers=workers, coarse=coarse, full=full)
+    if device == "cpu":  # Triton interpreter: timings mean nothing, keep the replays to a minimum
+        opts.rounds, opts.final_reps, opts.exhaustive_reps = (1, 1), 3, 1
+    return opts
 
 
 def _out_dir(out_dir: Optional[Path]) -> Path:
@@ -47,14 +72,15 @@ def _device(dry_run: bool) -> tuple[Optional[str], str]:
 
     from kernels.fp8 import interpreting
     from kernels.tuned_configs import device_name
+    from tuning.errors import NoGpuError
 
     if torch.cuda.is_available():
         return "cuda", device_name("cuda")
-    if interpreting():  # TRITON_INTERPRET=1: runs the kernels on CPU (slow; for tests)
-        return "cpu", "cpu"
     if dry_run:
         return None, "{GPU}"
-    raise UsageError("no CUDA GPU found: tuning times the kernels on the GPU it tunes for, so run it on that "
+    if interpreting():  # TRITON_INTERPRET=1: runs the kernels on CPU (slow; for tests)
+        return "cpu", "cpu"
+    raise NoGpuError("no CUDA GPU found: tuning times the kernels on the GPU it tunes for, so run it on that "
                      "machine (or add --dry-run to see the shapes and the search plan)")
 
 
@@ -69,11 +95,26 @@ def _check_writable(out: Path) -> None:
                          "and set DSCTL_KERNEL_CONFIG_DIR=DIR when serving") from None
 
 
-def _run(targets: list, opts, device: Optional[str], dry_run: bool) -> None:
+def _one_target(target, opts, device, console, precompiler, verify_sizes) -> None:
+    from tuning.runner import print_report, tune
+
+    console.print(f"[bold]{target.title()}[/]")
+    if opts.batch_sizes:
+        report = tune(target, opts, device, console, precompiler)
+        print_report(report, console)
+    if verify_sizes:
+        from tuning.verify import print_verify, verify
+
+        vrep = verify(target, opts, verify_sizes, device, console, precompiler)
+        print_verify(vrep, console)
+
+
+def _run(targets: list, opts, device: Optional[str], dry_run: bool, verify_sizes: Optional[list[int]]) -> None:
     from rich.console import Console
 
     from kernels.tuned_configs import config_dirs
     from tuning import search_space as ss
+    from tuning.errors import TuneFailed
     from tuning.plan import plan, print_plans
     from tuning.precompile import default_workers
 
@@ -82,21 +123,33 @@ def _run(targets: list, opts, device: Optional[str], dry_run: bool) -> None:
     limits = ss.Limits.for_device(device) if device == "cuda" else ss.Limits()
     if dry_run:
         print_plans([plan(t, opts, limits, workers) for t in targets], opts, workers, console)
+        if verify_sizes:
+            from dataclasses import replace
+
+            ex = replace(opts, exhaustive=True, batch_sizes=verify_sizes)
+            console.print("[bold]--verify-exhaustive[/] (the full grid at these batch sizes, after the staged search):")
+            print_plans([plan(t, ex, limits, workers) for t in targets], ex, workers, console)
         console.print(f"output directory: {opts.out_dir}")
         return
-    from tuning.runner import make_precompiler, print_report, tune
+    from tuning.runner import make_precompiler
 
     _check_writable(opts.out_dir)
     precompiler = None
+    failed: list[str] = []
     try:
         try:
             precompiler = make_precompiler(opts, device)
         except Exception as exc:  # noqa: BLE001 - tune() compiles inline instead
             console.print(f"[yellow]compile workers unavailable ({exc}); compiling in this process[/]")
         for target in targets:
-            console.print(f"[bold]{target.title()}[/]")
-            report = tune(target, opts, device, console, precompiler)
-            print_report(report, console)
+            try:
+                _one_target(target, opts, device, console, precompiler, verify_sizes)
+            except UsageError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one shape failing must not lose the others
+                line = str(exc).splitlines()[0][:300] if str(exc) else ""
+                console.print(f"[red]{target.title()}: failed: {type(exc).__name__}: {line}[/]")
+                failed.append(target.title())
     finally:
         if precompiler is not None:
             precompiler.close()
@@ -104,53 +157,117 @@ def _run(targets: list, opts, device: Optional[str], dry_run: bool) -> None:
     if opts.out_dir.resolve() in found:
         console.print("the engine picks these files up automatically")
     else:
-        console.print(f"to use them, serve with DSCTL_KERNEL_CONFIG_DIR={opts.out_dir}")
+        console.print(f"to use them, serve with DSCTL_KERNEL_CONFIG_DIR={opts.out_dir} (or --kernel-config-dir)")
+    if failed:
+        raise TuneFailed(f"{len(failed)} of {len(targets)} shape(s) failed: {'; '.join(failed)}")
+
+
+def _common(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, workers, grid, dry_run,
+            verify_exhaustive, report_dir):
+    device, name = _device(dry_run)
+    verify_sizes = _batch_list(verify_exhaustive, "--verify-exhaustive")
+    opts = _options(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, workers, name, grid, device)
+    opts.report_dir = report_dir
+    if verify_sizes and batch_sizes is None:  # --verify-exhaustive alone: only the comparison
+        opts.batch_sizes = []
+    if verify_sizes and exhaustive:
+        raise UsageError("--verify-exhaustive compares the staged search with --exhaustive: use one of them")
+    return device, opts, verify_sizes
+
+
+_RESUME_HELP = "Skip the batch sizes a killed run already finished (read back from its progress / config file)."
+_DRY_HELP = "Print shapes, search-space sizes and an estimated time; no GPU needed."
+_EXH_HELP = "Time every config of the full grid (slow; the baseline for the fast search)."
+_MAXC_HELP = "Cap the configs of each search stage (faster, less thorough)."
+_TIME_HELP = "Seconds; start no batch size after this, per shape (finish later with --resume)."
+_WORKERS_HELP = "Processes compiling kernels in parallel (default 0: one per CPU core, up to 16)."
+_REPORT_HELP = "Also write <config file stem>.results.json (per batch size: default / tuned us, speed-up) here."
+_GRID_HELP = "Search space: staged (default) or tiny (a few configs, for tests and interpreter smoke runs)."
 
 
 def tune_moe(
     model: str = typer.Option(..., "--model", help=_MODEL_HELP),
     tp: int = typer.Option(8, "--tp", help="Tensor-parallel size the model will be served with."),
     ep: int = typer.Option(1, "--ep", help="Expert-parallel size (divides --tp; E = experts / ep)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Expert weights: fp8_w8a8 or bf16 [default: the checkpoint's]."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Expert weights: fp8_w8a8 or bf16 (default: the checkpoint's)."),
     batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help=_BATCH_HELP),
     out_dir: Optional[Path] = typer.Option(None, "--out-dir", help=_OUT_HELP),
-    resume: bool = typer.Option(False, "--resume", help="Skip the batch sizes a killed run already finished."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print shapes, search-space sizes and an estimated time; no GPU needed."),
-    exhaustive: bool = typer.Option(False, "--exhaustive", help="Time every config of the full grid (slow; the baseline for the fast search)."),
-    max_configs: Optional[int] = typer.Option(None, "--max-configs", help="Cap the configs of each search stage (faster, less thorough)."),
-    time_limit: Optional[float] = typer.Option(None, "--time-limit", help="Seconds; start no batch size after this (finish later with --resume)."),
-    workers: int = typer.Option(0, "--workers", help="Processes compiling kernels in parallel [default: one per CPU core, up to 16]."),
+    resume: bool = typer.Option(False, "--resume", help=_RESUME_HELP),
+    dry_run: bool = typer.Option(False, "--dry-run", help=_DRY_HELP),
+    exhaustive: bool = typer.Option(False, "--exhaustive", help=_EXH_HELP),
+    verify_exhaustive: Optional[str] = typer.Option(None, "--verify-exhaustive", help=_VERIFY_HELP),
+    max_configs: Optional[int] = typer.Option(None, "--max-configs", help=_MAXC_HELP),
+    time_limit: Optional[float] = typer.Option(None, "--time-limit", help=_TIME_HELP),
+    workers: int = typer.Option(0, "--workers", help=_WORKERS_HELP),
+    report_dir: Optional[Path] = typer.Option(None, "--report-dir", help=_REPORT_HELP),
+    grid: str = typer.Option("staged", "--grid", help=_GRID_HELP, hidden=True),
 ) -> None:
     from tuning.shapes import load_model_config, moe_shape
     from tuning.targets import MoETarget
 
     shape = moe_shape(load_model_config(model), tp=tp, ep=ep, dtype=dtype)
-    device, name = _device(dry_run)
-    opts = _options(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, workers, name)
-    _run([MoETarget(shape)], opts, device, dry_run)
+    device, opts, verify_sizes = _common(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, workers,
+                                         grid, dry_run, verify_exhaustive, report_dir)
+    _run([MoETarget(shape)], opts, device, dry_run, verify_sizes)
+
+
+def _parse_shapes(text: Optional[str]) -> Optional[list[tuple[int, int]]]:
+    if not text:
+        return None
+    out = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
+            n, k = part.lower().split("x")
+            out.append((int(n), int(k)))
+        except ValueError:
+            raise UsageError(f"--shapes {text!r}: expected NxK pairs such as 1536x7168,7168x2048") from None
+    return out
+
+
+def _select_shapes(shapes: list, wanted: Optional[list[tuple[int, int]]], max_shapes: Optional[int]) -> list:
+    if wanted:
+        by_nk = {(s.N, s.K): s for s in shapes}
+        missing = [f"{n}x{k}" for n, k in wanted if (n, k) not in by_nk]
+        if missing:
+            known = ", ".join(f"{s.N}x{s.K}" for s in shapes)
+            raise UsageError(f"--shapes {','.join(missing)}: not a GEMM of this model at this TP (it has: {known})")
+        shapes = [by_nk[nk] for nk in dict.fromkeys(wanted)]
+    if max_shapes is not None:
+        if max_shapes < 1:
+            raise UsageError("--max-shapes must be >= 1")
+        shapes = shapes[:max_shapes]
+    return shapes
 
 
 def tune_fp8(
     model: str = typer.Option(..., "--model", help=_MODEL_HELP),
     tp: int = typer.Option(8, "--tp", help="Tensor-parallel size the model will be served with."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Only the GEMMs of these layers (comma-separated name parts, e.g. q_a,o_proj)."),
+    shapes_opt: Optional[str] = typer.Option(None, "--shapes", help="Only these GEMMs, as NxK pairs (e.g. 1536x7168,7168x2048)."),
+    max_shapes: Optional[int] = typer.Option(None, "--max-shapes", help="Only the first N GEMM shapes (in --dry-run order)."),
     batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help=_BATCH_HELP),
     out_dir: Optional[Path] = typer.Option(None, "--out-dir", help=_OUT_HELP),
-    resume: bool = typer.Option(False, "--resume", help="Skip the batch sizes a killed run already finished."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print shapes, search-space sizes and an estimated time; no GPU needed."),
-    exhaustive: bool = typer.Option(False, "--exhaustive", help="Time every config of the full grid (slow; the baseline for the fast search)."),
-    max_configs: Optional[int] = typer.Option(None, "--max-configs", help="Cap the configs of each search stage (faster, less thorough)."),
-    time_limit: Optional[float] = typer.Option(None, "--time-limit", help="Seconds; start no batch size after this (finish later with --resume)."),
-    workers: int = typer.Option(0, "--workers", help="Processes compiling kernels in parallel [default: one per CPU core, up to 16]."),
+    resume: bool = typer.Option(False, "--resume", help=_RESUME_HELP),
+    dry_run: bool = typer.Option(False, "--dry-run", help=_DRY_HELP),
+    exhaustive: bool = typer.Option(False, "--exhaustive", help=_EXH_HELP),
+    verify_exhaustive: Optional[str] = typer.Option(None, "--verify-exhaustive", help=_VERIFY_HELP),
+    max_configs: Optional[int] = typer.Option(None, "--max-configs", help=_MAXC_HELP),
+    time_limit: Optional[float] = typer.Option(None, "--time-limit", help=_TIME_HELP),
+    workers: int = typer.Option(0, "--workers", help=_WORKERS_HELP),
+    report_dir: Optional[Path] = typer.Option(None, "--report-dir", help=_REPORT_HELP),
+    grid: str = typer.Option("staged", "--grid", help=_GRID_HELP, hidden=True),
 ) -> None:
     from tuning.shapes import gemm_shapes, load_model_config
     from tuning.targets import GemmTarget
 
     names = [s for s in (layers or "").split(",") if s.strip()] or None
-    shapes = gemm_shapes(load_model_config(model), tp=tp, layers=names)
-    device, name = _device(dry_run)
-    opts = _options(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, workers, name)
-    _run([GemmTarget(s) for s in shapes], opts, device, dry_run)
+    shapes = _select_shapes(gemm_shapes(load_model_config(model), tp=tp, layers=names), _parse_shapes(shapes_opt),
+                            max_shapes)
+    device, opts, verify_sizes = _common(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, workers,
+                                         grid, dry_run, verify_exhaustive, report_dir)
+    _run([GemmTarget(s) for s in shapes], opts, device, dry_run, verify_sizes)
 
 
 def register(app: typer.Typer) -> None:

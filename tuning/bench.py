@@ -114,7 +114,7 @@ class MoEProblem:
 
     def tolerance(self) -> float:
         # vs the torch mirror of the same roundings: e4m3 re-roundings of the intermediate (wgmma
-        # accumulation order) give up to ~1% (docs/perf_moe_fp8.md); a broken config gives ~100%
+        # accumulation order) give up to ~1% (docs/perf.md); a broken config gives ~100%
         return 3e-2 if self.shape.dtype == "fp8_w8a8" else 2e-2
 
 
@@ -167,8 +167,7 @@ class Timer:
         self.cuda = torch.device(device).type == "cuda"
 
     def measure(self, launch: Callable[[], None], calls: int, reps: int) -> list[float]:
-        if not self.cuda:
-            launch()  # warm-up (interpreter: nothing to compile, but keeps the two paths alike)
+        if not self.cuda:  # Triton interpreter: nothing to compile or warm up; wall clock (only exercises the code)
             out = []
             for _ in range(reps):
                 t0 = time.perf_counter()

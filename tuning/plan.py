@@ -2,7 +2,7 @@
 
 The estimate models compile time (Triton, per config, spread over the compile workers) and
 timing (graph capture and replays of every evaluation the staged search makes). Its constants
-come from the H100 run in docs/perf_tuning.md; treat the result as the order of magnitude.
+are estimates not yet calibrated on an H100 (docs/perf.md, "Kernel config tuning"); treat the result as the order of magnitude.
 """
 
 from __future__ import annotations
@@ -114,4 +114,4 @@ def print_plans(plans: list[Plan], opts: TuneOptions, workers: int, console) -> 
                       f"~{p.timing_s:.0f} s of timing")
     total = sum(p.total_s for p in plans)
     console.print(f"estimated time: ~{total / 60:.1f} min for {len(plans)} shape(s) and {len(opts.batch_sizes)} "
-                  "batch sizes (rough; see docs/perf_tuning.md for measured times)")
+                  "batch sizes (rough; see docs/perf.md, Kernel config tuning, for measured times)")

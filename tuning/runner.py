@@ -52,6 +52,7 @@ class TuneOptions:
     coarse: ss.Grid = ss.COARSE
     full: ss.Grid = ss.FULL
     check: bool = True
+    report_dir: Optional[Path] = None  # also write <config stem>.results.json here (timings, speed-ups)
 
 
 @dataclass
@@ -142,6 +143,22 @@ def save(target, opts: TuneOptions, out: Path, results: dict[int, BatchResult], 
         tmp.write_text(json.dumps(data, indent=1) + "\n")
         tmp.replace(state)
     clear_config_cache()
+
+
+def save_results(report: "TuneReport", opts: TuneOptions) -> None:
+    """Machine-readable per-batch-size results (for scripts; not read by the engine)."""
+    if opts.report_dir is None:
+        return
+    d = Path(opts.report_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    data = {"title": report.title, "config_file": str(report.path), "seconds": report.seconds,
+            "compile_seconds": report.compile_seconds, "kernels_built": report.kernels_built,
+            "skipped": report.skipped, "results": [
+                {**report.results[m].to_json(), "speedup": report.results[m].speedup} for m in sorted(report.results)]}
+    out = d / (report.path.name[: -len(".json")] + ".results.json")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(out)
 
 
 def installed_configs(target, opts: TuneOptions) -> tuple[Optional[Path], dict[int, dict]]:
@@ -382,6 +399,8 @@ def tune(target, opts: TuneOptions, device="cuda", console=None, precompiler=Non
                 report.results[m] = res
                 last = i + 1 == len(todo)
                 save(target, opts, out, report.results, complete=last and not report.skipped)
+                report.seconds = time.perf_counter() - t0
+                save_results(report, opts)
                 best = f"{res.tuned_us:9.1f} us" if res.tuned_us else "-"
                 progress.update(searcher.task, description=f"M={m:<5} done", best=f"tuned {best}")
     finally:
@@ -393,6 +412,7 @@ def tune(target, opts: TuneOptions, device="cuda", console=None, precompiler=Non
     if not todo and done:
         save(target, opts, out, report.results, complete=True)
     report.seconds = time.perf_counter() - t0
+    save_results(report, opts)
     return report
 
 

@@ -53,6 +53,11 @@ FULL = Grid()
 # First stage of the staged search: the tile shape, warps and two pipeline depths; GROUP_SIZE_M
 # and the other depths are searched around the best tiles afterwards (neighbours()).
 COARSE = Grid(group_m=(1,), num_stages=(3, 4))
+# A handful of configs, for tests and smoke runs under the Triton interpreter (`--grid tiny`).
+TINY_COARSE = Grid(block_m=(16,), block_n=(64, 128), block_k=(128,), group_m=(1,), num_warps=(4,), num_stages=(2,))
+TINY_FULL = Grid(block_m=(16, 32), block_n=(64, 128), block_k=(128,), group_m=(1,), num_warps=(4,), num_stages=(2, 3))
+# --grid NAME -> (stage-1 grid, full grid for refinement and --exhaustive)
+GRIDS = {"staged": (COARSE, FULL), "tiny": (TINY_COARSE, TINY_FULL)}
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,7 @@ def moe_rows_cap(m: int, top_k: int, experts: int) -> int:
     """Largest useful BLOCK_SIZE_M for M tokens: 4x the (power-of-two) mean tokens per expert, >= 16.
 
     Routing is uneven (hot experts get a few times the mean), and wgmma prefers 64-row tiles,
-    so the cap is generous; the exhaustive comparison checks it (docs/perf_tuning.md)."""
+    so the cap is generous; the exhaustive comparison checks it (docs/perf.md, "Kernel config tuning")."""
     per_expert = m * top_k / max(experts, 1)
     return max(16, 4 * _next_pow2(per_expert))
 
