@@ -73,6 +73,28 @@ class EngineArgs:
     )
     max_running_requests: int = flag(256, "Most requests in the running batch at once.")
 
+    # ---- scheduling (engine/scheduler): prefix cache, chunked prefill, overlap ----------
+    max_prefill_tokens: int = flag(
+        16384, "Most new prompt tokens computed in one prefill step; a longer prompt is still admitted "
+        "(alone, or in chunks).",
+    )
+    chunked_prefill_size: int = flag(
+        8192, "Prefill long prompts in chunks of at most this many tokens, with decode steps of the running "
+        "requests in between (-1 disables chunking).",
+    )
+    disable_radix_cache: bool = flag(
+        False, "Turn off the radix prefix cache (prompt prefixes shared between requests, or turns of a "
+        "conversation, are then recomputed every time).",
+    )
+    schedule_policy: str = flag(
+        "fcfs", "Order of waiting requests: 'fcfs' (arrival order) or 'lpm' (longest cached prefix first; "
+        "needs the radix cache).", choices=("fcfs", "lpm"),
+    )
+    disable_overlap_schedule: bool = flag(
+        False, "Process each step's results before launching the next forward (by default the host work of "
+        "step N overlaps the device work of step N+1).",
+    )
+
     # ---- kernels and GPU execution ----------------------------------------------
     attention_backend: str = flag(
         "auto", "MLA attention kernels: 'triton' (CUDA default), 'torch' (reference; CPU default); "
@@ -147,11 +169,23 @@ class EngineArgs:
             raise UsageError(f"--max-running-requests must be >= 1 (got {self.max_running_requests})")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise UsageError(f"--max-total-tokens must be >= 1 (got {self.max_total_tokens})")
+        self._validate_scheduling()
         self._validate_gpu()
         self._validate_server()
         if self.device == "cpu" and self.dtype == "float16":
             raise UsageError("--dtype float16 is not supported on CPU; use float32 or bfloat16")
         return self
+
+    def _validate_scheduling(self) -> None:
+        if self.max_prefill_tokens < 1:
+            raise UsageError(f"--max-prefill-tokens must be >= 1 (got {self.max_prefill_tokens})")
+        if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0
+                                                      or self.chunked_prefill_size < -1):
+            raise UsageError("--chunked-prefill-size must be a positive number of tokens, or -1 to disable "
+                             f"chunking (got {self.chunked_prefill_size})")
+        if self.schedule_policy == "lpm" and self.disable_radix_cache:
+            raise UsageError("--schedule-policy lpm orders requests by their cached prefix and needs the radix "
+                             "cache: drop --disable-radix-cache, or use --schedule-policy fcfs")
 
     def _validate_server(self) -> None:
         if not 1 <= self.port <= 65535:

@@ -55,7 +55,10 @@ class Engine:
         eos = self.tokenizer.eos_ids() if self.tokenizer else set()
         if not eos and self.runner.config.eos_token_id is not None:
             eos = {self.runner.config.eos_token_id}
-        self.scheduler = Scheduler(self.runner, self._decode, eos)
+        self.scheduler = Scheduler(
+            self.runner, self._decode, eos, max_prefill_tokens=args.max_prefill_tokens,
+            chunked_prefill_size=args.chunked_prefill_size, enable_radix_cache=not args.disable_radix_cache,
+            schedule_policy=args.schedule_policy, enable_overlap=not args.disable_overlap_schedule)
         self._ids = itertools.count()
 
     @property

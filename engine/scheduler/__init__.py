@@ -1,1 +1,3 @@
-"""Requests and the continuous-batching scheduler."""
+"""Requests and the scheduler: continuous batching with a radix prefix cache, chunked prefill and
+overlap scheduling (scheduler.py), KV bookkeeping per request (memory.py), queue order (policy.py),
+device-side sampling for the overlap loop (sampler.py)."""

@@ -47,6 +47,9 @@ def test_retraction_keeps_outputs(engine):
     small = Engine(model="tiny", device="cpu", dtype="float32", max_total_tokens=110)
     got = small.generate(input_ids=prompts, sampling_params=sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    # Finished requests' KV stays in the radix prefix cache; evicting it frees the whole pool.
+    assert small.runner.kv_pool.available() + small.scheduler.stats()["prefix_cache_tokens"] == 110
+    small.scheduler.cache.evict_all()
     assert small.runner.kv_pool.available() == 110
 
 

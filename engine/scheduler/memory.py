@@ -1,0 +1,124 @@
+"""KV memory of scheduled requests: request-table rows, pool slots and the radix prefix cache.
+
+`RequestMemory` is the only place that moves slots between the KV pool, the
+radix cache and requests. A request's `slots[:prefix_len]` belong to the cache
+(locked through `last_node`); `slots[prefix_len:]` are its own until it is
+released, when its computed KV is inserted into the cache (or freed when the
+cache is disabled). Invariant when nothing runs:
+pool.available() + cache.total_size() == pool.size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from engine.memory.pools import KVPool, ReqToTokenPool
+from engine.memory.radix_cache import RadixCache
+from engine.scheduler.request import Request
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class RequestMemory:
+    def __init__(self, pool: KVPool, table: ReqToTokenPool, enable_cache: bool):
+        self.pool, self.table = pool, table
+        self.cache: Optional[RadixCache] = RadixCache(pool.free) if enable_cache else None
+
+    # ---- sizes ---------------------------------------------------------------------
+    def headroom(self) -> int:
+        """Slots that can be had now: free ones plus those the cache could evict."""
+        return self.pool.available() + (self.cache.evictable_size() if self.cache else 0)
+
+    def cache_tokens(self) -> int:
+        return self.cache.total_size() if self.cache else 0
+
+    def make_room(self, n: int) -> bool:
+        """Evict from the cache until n slots are free; False when that is impossible."""
+        short = n - self.pool.available()
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return self.pool.available() >= n
+
+    # ---- admission ---------------------------------------------------------------------
+    def match(self, req: Request) -> None:
+        """Reuse the cached prefix of req's tokens (locking it). At most len-1 tokens match, so the
+        prefill computes at least the last token (its logits give the next token)."""
+        ids = req.all_ids
+        if self.cache is None or req.wants_prompt_logprobs or len(ids) < 2:
+            req.slots, req.last_node = _EMPTY, None
+        else:
+            req.slots, req.last_node = self.cache.match_prefix(ids, len(ids) - 1)
+            self.cache.inc_lock(req.last_node)
+        req.prefix_len = req.kv_len = int(req.slots.numel())
+
+    def unmatch(self, req: Request) -> None:
+        """Undo `match` for a request that could not be admitted after all."""
+        if self.cache is not None and req.last_node is not None:
+            self.cache.dec_lock(req.last_node)
+        req.slots, req.last_node, req.prefix_len, req.kv_len = _EMPTY, None, 0, 0
+
+    def reserve(self, req: Request) -> bool:
+        """A table row and slots for every not-yet-cached token of req (after `match`)."""
+        need = len(req.all_ids) - req.prefix_len
+        if self.table.available() == 0 or not self.make_room(need):
+            return False
+        req.row = self.table.alloc()
+        req.slots = torch.cat((req.slots, self.pool.alloc(need)))
+        self.table.set(req.row, 0, req.slots)
+        return True
+
+    # ---- decode ---------------------------------------------------------------------------
+    def append_decode_slots(self, reqs: list[Request]) -> torch.Tensor:
+        """One new slot per request at position kv_len (caller made room); returns them."""
+        slots = self.pool.alloc(len(reqs))
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        pos = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        dev = self.table.table.device
+        self.table.table[rows.to(dev), pos.to(dev)] = slots.to(dev, torch.int32)
+        for req, slot in zip(reqs, slots):
+            req.slots = torch.cat((req.slots, slot[None]))
+            req.kv_len += 1
+        return slots
+
+    # ---- caching -------------------------------------------------------------------------------
+    def cache_prefill(self, req: Request) -> None:
+        """After req's whole prompt is computed: put it in the cache and lock it.
+
+        Where the cache already held some of these tokens (cached meanwhile by another
+        request), the request switches to the cache's slots and frees its duplicates.
+        """
+        if self.cache is None:
+            return
+        k = req.kv_len
+        ids = req.all_ids[:k]
+        present = self.cache.insert(ids, req.slots[:k])
+        if present > req.prefix_len:
+            self.pool.free(req.slots[req.prefix_len:present])
+        slots, node = self.cache.match_prefix(ids)
+        if present > req.prefix_len:
+            self.table.set(req.row, req.prefix_len, slots[req.prefix_len:present])
+        req.slots = torch.cat((slots, req.slots[k:]))
+        self.cache.inc_lock(node)
+        if req.last_node is not None:
+            self.cache.dec_lock(req.last_node)
+        req.last_node, req.prefix_len = node, k
+
+    def release(self, req: Request) -> None:
+        """Give back req's row and slots; its computed KV goes into the cache when there is one."""
+        if req.row is None:
+            if req.last_node is not None:
+                self.unmatch(req)
+            return
+        k = min(req.kv_len, len(req.all_ids))
+        if self.cache is not None:
+            present = self.cache.insert(req.all_ids[:k], req.slots[:k])
+            self.pool.free(req.slots[req.prefix_len:present])  # duplicates of what the cache already had
+            self.pool.free(req.slots[k:])  # reserved but never computed
+            if req.last_node is not None:
+                self.cache.dec_lock(req.last_node)
+        else:
+            self.pool.free(req.slots)
+        self.table.free(req.row)
+        req.row, req.slots, req.kv_len, req.prefix_len, req.last_node = None, _EMPTY, 0, 0, None

@@ -1,0 +1,42 @@
+"""The overlap scheduler's device-side sampler makes the same choices as engine.sampling.sample."""
+
+import torch
+
+from engine.sampling import SamplingParams, sample
+from engine.scheduler.sampler import sample_async
+
+
+def _params():
+    return [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_k=20, seed=1),
+        SamplingParams(temperature=1.0, top_p=0.7, seed=2, top_logprobs=3),
+        SamplingParams(temperature=1.3, min_p=0.05, seed=3, logprobs=True),
+        SamplingParams(temperature=0, top_logprobs=5),
+        SamplingParams(temperature=0.5),  # unseeded: the global generator
+    ]
+
+
+def _run(fn, logits):
+    params = _params()
+    gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+    torch.manual_seed(123)
+    return fn(logits, params, gens)
+
+
+def test_same_tokens_logprobs_and_top_as_sample():
+    logits = torch.randn(6, 97, generator=torch.Generator().manual_seed(0)) * 3
+    ref = _run(sample, logits)
+    pending = _run(sample_async, logits.clone())
+    assert pending.tokens.dtype == torch.int64 and pending.tokens.shape == (6,)
+    got = pending.start_copy().resolve()
+    assert got.tokens == ref.tokens
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs))
+    assert [[i for i, _ in t] for t in got.top] == [[i for i, _ in t] for t in ref.top]
+    assert [len(t) for t in got.top] == [0, 0, 3, 0, 5, 0]
+
+
+def test_greedy_rows_are_argmax():
+    logits = torch.randn(4, 33, generator=torch.Generator().manual_seed(1))
+    got = sample_async(logits, [SamplingParams(temperature=0)] * 4, [None] * 4).resolve()
+    assert got.tokens == logits.argmax(-1).tolist()
