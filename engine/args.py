@@ -190,8 +190,9 @@ class EngineArgs:
     def _validate_server(self) -> None:
         if not 1 <= self.port <= 65535:
             raise UsageError(f"--port must be in 1..65535 (got {self.port})")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise UsageError(f"--max-queued-requests must be >= 0 (got {self.max_queued_requests})")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise UsageError(f"--max-queued-requests must be >= 1 (got {self.max_queued_requests}); "
+                             "leave it out for an unbounded queue")
         if self.shutdown_timeout < 0:
             raise UsageError(f"--shutdown-timeout must be >= 0 (got {self.shutdown_timeout})")
         for name, value in (("--api-key", self.api_key), ("--served-model-name", self.served_model_name)):

@@ -1,7 +1,8 @@
 """The starlette application: routes, API-key check, JSON errors, engine lifecycle.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health (200 only while the engine is up; never needs the API key),
+GET /health (200 only while the engine is up, with the engine process's pid;
+never needs the API key),
 GET /metrics. Every error, including unknown routes and wrong methods, is an
 OpenAI-style JSON body. The lifespan starts the engine process on startup and
 stops it on shutdown.
@@ -34,7 +35,7 @@ OPEN_PATHS = ("/health",)
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.server
     if state.client.healthy:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "engine_pid": state.client.pid})
     try:
         state.info()
     except APIError as exc:

@@ -22,7 +22,7 @@ from typing import Optional
 from engine.args import EngineArgs
 from engine.sampling import SamplingParams
 from engine.server.protocol import (AbortRequest, AddFailed, AddRequest, EngineFailed, EngineInfo, EngineStats,
-                                    Shutdown, StepOutputs)
+                                    RequestOutput, Shutdown, StepOutputs)
 
 log = logging.getLogger("dsctl.server")
 
@@ -133,6 +133,16 @@ class EngineClient:
             self.pending.discard(rid)
             if self.dead_reason is None:
                 self._outq.put(AbortRequest(rid))
+
+    def abort_all(self) -> int:
+        """Abort every request in flight; each ends as an ordinary output with finish_reason 'abort'."""
+        routes, self._routes = self._routes, {}
+        self.pending.clear()
+        for rid, route in routes.items():
+            if self.dead_reason is None:
+                self._outq.put(AbortRequest(rid))
+            route.sink.put_nowait((route.tag, RequestOutput(rid, finish_reason="abort")))
+        return len(routes)
 
     # ---- threads -------------------------------------------------------------
     def _send_loop(self) -> None:

@@ -62,19 +62,25 @@ def completion_logprobs(seq: Sequence, tok: TokenText, echo: bool, start: int, e
         ptop = seq.prompt_top_logprobs
         for i, token_id in enumerate(seq.prompt_ids):
             lp = plp[i] if i < len(plp) else None
-            top = None
-            if lp is not None:
-                top = {tok(t): v for t, v in (ptop[i] if ptop and ptop[i] else [])}
-                top.setdefault(tok(token_id), lp)
+            top = _top_dict(tok, token_id, lp, ptop[i] if ptop and ptop[i] else []) if lp is not None else None
             add(token_id, lp, top)
     for i in range(start, end):
         token_id, lp = seq.output_ids[i], seq.logprobs[i] if i < len(seq.logprobs) else None
         alts = seq.top_logprobs[i] if i < len(seq.top_logprobs) else []
-        top = {tok(t): v for t, v in alts}
-        if lp is not None:
-            top.setdefault(tok(token_id), lp)
-        add(token_id, lp, top)
+        add(token_id, lp, _top_dict(tok, token_id, lp, alts))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _top_dict(tok: TokenText, token_id: int, lp: Optional[float], alts) -> dict:
+    """text -> log-prob of the chosen token and its alternatives (most likely first).
+
+    Several tokens can share a text (e.g. partial UTF-8 bytes all shown as U+FFFD);
+    the chosen token keeps its own value and otherwise the most likely one wins.
+    """
+    top = {} if lp is None else {tok(token_id): lp}
+    for t, v in alts:
+        top.setdefault(tok(t), v)
+    return top
 
 
 def chat_logprobs(seq: Sequence, tok: TokenText, start: int, end: int) -> dict:

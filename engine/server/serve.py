@@ -3,8 +3,9 @@
 The tokenizer is loaded here (the serving process); the model loads in the
 engine process while the port is already open (/health answers 503 until it is
 ready). SIGTERM stops accepting connections, lets in-flight requests finish for
-up to --shutdown-timeout seconds (then aborts them), stops the engine process
-and returns normally, so the process exits 0.
+up to --shutdown-timeout seconds, then aborts the rest (streams end with
+finish_reason "abort" and [DONE]), stops the engine process and returns
+normally, so the process exits 0.
 """
 
 from __future__ import annotations
@@ -19,6 +20,39 @@ from engine.errors import DsctlError, UsageError
 
 class EngineStartError(DsctlError):
     """The engine process could not load the model."""
+
+
+ABORT_GRACE_S = 5.0  # after aborting, how long uvicorn waits for the aborted responses before cancelling them
+
+
+def _uvicorn_server(config, on_first_exit):
+    """A uvicorn.Server that calls on_first_exit() (from the signal handler) when the first SIGTERM/SIGINT arrives."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:
+                on_first_exit()
+
+    return Server(config)
+
+
+def _abort_later(state, delay: float) -> None:
+    """Thread-safe: after delay seconds, abort whatever the engine is still generating."""
+    loop = state.client._loop
+    if loop is None:
+        return
+    log = logging.getLogger("dsctl.server")
+
+    def abort() -> None:
+        n = state.client.abort_all()
+        if n:
+            log.warning("shutting down: aborted %d request(s) still running after %.0fs", n, delay)
+
+    log.info("shutting down: no new connections; in-flight requests get %.0fs to finish", delay)
+    loop.call_soon_threadsafe(loop.call_later, delay, abort)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -48,10 +82,11 @@ def serve(args: EngineArgs) -> None:
     tokenizer = load_tokenizer(resolved.path)
     app = build_app(args, tokenizer)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
+                            timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S,
+                            access_log=args.log_level == "debug")
     sock = _bind(args.host, args.port)  # before the engine starts, so a busy port fails fast
-    server = uvicorn.Server(config)
     state = app.state.server
+    server = _uvicorn_server(config, lambda: _abort_later(state, args.shutdown_timeout))
     state.request_exit = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises a captured SIGTERM after its graceful shutdown; with this handler in place
     # that re-raise is a no-op and the process exits 0 instead of dying by the signal.

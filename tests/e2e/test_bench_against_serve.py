@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -21,7 +22,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dsctl", "serve", "--port", str(port)],
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the server runs torch on CPU
+    proc = subprocess.Popen([sys.executable, "-m", "dsctl", "serve", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
