@@ -3,6 +3,11 @@
 Each request with a seed samples from its own torch.Generator, so its output does
 not depend on which other requests share the batch. Log-probabilities are those
 of the model's raw distribution (before temperature and truncation).
+
+`sample_async` leaves its results on the device (the overlap scheduler feeds the sampled
+tokens straight into the next decode step); `PendingSample.start_copy()` queues the
+device->host copies right after the step with a CUDA event, so `resolve()` waits only for
+that step, not for the next one already queued behind it.
 """
 
 from __future__ import annotations
@@ -77,27 +82,56 @@ def _truncate(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[Optional[torch.Generator]]) -> SampleResult:
-    """One token per row of logits [N, V] (float32)."""
+@dataclass
+class PendingSample:
+    tokens: torch.Tensor  # [N] int64 on the logits' device (the next step may read them there)
+    logprobs: torch.Tensor  # [N] float32
+    top: list[Optional[tuple[torch.Tensor, torch.Tensor]]]  # per row: (ids, log-probs), or None
+    host: Optional[tuple] = None
+    ready: Optional[object] = None  # torch.cuda.Event
+
+    def start_copy(self) -> "PendingSample":
+        if self.tokens.device.type != "cuda":
+            self.host = (self.tokens, self.logprobs, self.top)
+            return self
+        cpu = lambda t: t.to("cpu", non_blocking=True)  # noqa: E731
+        self.host = (cpu(self.tokens), cpu(self.logprobs),
+                     [None if t is None else (cpu(t[0]), cpu(t[1])) for t in self.top])
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+        return self
+
+    def resolve(self) -> SampleResult:
+        if self.host is None:
+            self.start_copy()
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens, logprobs, top = self.host
+        return SampleResult(tokens=tokens.tolist(), logprobs=logprobs.tolist(),
+                            top=[[] if t is None else list(zip(t[0].tolist(), t[1].tolist())) for t in top])
+
+
+def sample_async(logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[Optional[torch.Generator]]) -> PendingSample:
+    """One token per row of logits [N, V]; results stay on the device."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    greedy = logits.argmax(-1)
-    tokens: list[int] = []
+    tokens = logits.argmax(-1)
     for i, p in enumerate(params):
         if p.greedy:
-            tokens.append(int(greedy[i]))
             continue
-        probs = torch.softmax(logits[i].float() / p.temperature, dim=-1)
-        probs = _truncate(probs, p)
+        probs = _truncate(torch.softmax(logits[i].float() / p.temperature, dim=-1), p)
         g = generators[i]
-        tok = torch.multinomial(probs.cpu() if g is not None and g.device.type == "cpu" else probs, 1, generator=g)
-        tokens.append(int(tok))
-    idx = torch.tensor(tokens, device=logits.device)
-    chosen = logp.gather(1, idx[:, None])[:, 0].tolist() if len(tokens) else []
-    top: list[list[tuple[int, float]]] = []
+        if g is not None and g.device.type == "cpu":
+            tok = torch.multinomial(probs.cpu(), 1, generator=g).to(tokens.device)
+        else:
+            tok = torch.multinomial(probs, 1, generator=g)
+        tokens[i] = tok[0]
+    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    top = []
     for i, p in enumerate(params):
         if p.top_logprobs:
             v, ix = logp[i].topk(p.top_logprobs)
-            top.append(list(zip(ix.tolist(), v.tolist())))
+            top.append((ix, v))
         else:
-            top.append([])
-    return SampleResult(tokens=tokens, logprobs=chosen, top=top)
+            top.append(None)
+    return PendingSample(tokens=tokens, logprobs=chosen, top=top)

@@ -1,3 +1,3 @@
 """Requests and the scheduler: continuous batching with a radix prefix cache, chunked prefill and
-overlap scheduling (scheduler.py), KV bookkeeping per request (memory.py), queue order (policy.py),
-device-side sampling for the overlap loop (sampler.py)."""
+overlap scheduling (scheduler.py), KV bookkeeping per request (memory.py), queue order (policy.py).
+Sampling (engine/sampling.py) leaves its results on the device for the overlap loop."""

@@ -41,7 +41,7 @@ from engine.runner import ModelRunner
 from engine.scheduler.memory import RequestMemory
 from engine.scheduler.policy import POLICIES, order_waiting
 from engine.scheduler.request import Request
-from engine.scheduler.sampler import PendingSample, sample_async
+from engine.sampling import PendingSample, sample_async
 
 
 @dataclass

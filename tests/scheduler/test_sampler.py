@@ -1,9 +1,24 @@
-"""The overlap scheduler's device-side sampler makes the same choices as engine.sampling.sample."""
+"""The device-side sampler makes the same choices as a plain per-row host sampler."""
 
 import torch
 
-from engine.sampling import SamplingParams, sample
-from engine.scheduler.sampler import sample_async
+from engine.sampling import SampleResult, SamplingParams, _truncate, sample_async
+
+
+def sample(logits, params, generators) -> SampleResult:
+    """Reference: one row at a time on the host (int() per token), the way sampling is usually written."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    tokens = []
+    for i, p in enumerate(params):
+        if p.greedy:
+            tokens.append(int(logits[i].argmax()))
+            continue
+        probs = _truncate(torch.softmax(logits[i].float() / p.temperature, dim=-1), p)
+        tokens.append(int(torch.multinomial(probs, 1, generator=generators[i])))
+    chosen = [float(logp[i, t]) for i, t in enumerate(tokens)]
+    top = [list(zip(*(x.tolist() for x in reversed(logp[i].topk(p.top_logprobs))))) if p.top_logprobs else []
+           for i, p in enumerate(params)]
+    return SampleResult(tokens=tokens, logprobs=chosen, top=top)
 
 
 def _params():
