@@ -35,18 +35,12 @@ class _Tracked:
 
 
 def scheduler_stats(scheduler, runner) -> EngineStats:
-    """Load and memory figures. Prefix-cache figures come from `scheduler.stats()` when it offers them."""
-    pool = runner.kv_pool
-    extra = scheduler.stats() if callable(getattr(scheduler, "stats", None)) else {}
-    if not isinstance(extra, dict):
-        extra = vars(extra)
-    running = len(scheduler.running) + int(extra.get("prefilling") or 0)  # a chunked prefill in progress
-    stats = EngineStats(running=running, waiting=len(scheduler.waiting),
-                        kv_total_tokens=int(pool.size), kv_free_tokens=int(pool.available()))
-    for key in ("prefix_cache_tokens", "prefix_cache_hit_rate"):
-        if extra.get(key) is not None:
-            setattr(stats, key, extra[key])
-    return stats
+    """Load, memory and prefix-cache figures."""
+    pool, extra = runner.kv_pool, scheduler.stats()
+    return EngineStats(running=len(scheduler.running) + extra["prefilling"],  # + a chunked prefill in progress
+                       waiting=len(scheduler.waiting), kv_total_tokens=int(pool.size),
+                       kv_free_tokens=int(pool.available()), prefix_cache_tokens=extra["prefix_cache_tokens"],
+                       prefix_cache_hit_rate=extra["prefix_cache_hit_rate"])
 
 
 class EngineLoop:

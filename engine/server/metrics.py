@@ -36,13 +36,10 @@ class _EngineCollector:
             ("dsctl_kv_cache_free_tokens", "Free token slots in the KV pool.", s.kv_free_tokens),
             ("dsctl_kv_cache_usage_ratio", "Used fraction of the KV pool (0..1).",
              1 - s.kv_free_tokens / s.kv_total_tokens if s.kv_total_tokens else 0.0),
+            ("dsctl_prefix_cache_tokens", "KV tokens held by the prefix cache (evictable).", s.prefix_cache_tokens),
+            ("dsctl_prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.",
+             s.prefix_cache_hit_rate),
         ]
-        if s.prefix_cache_tokens is not None:
-            gauges.append(("dsctl_prefix_cache_tokens", "KV tokens held by the prefix cache (evictable).",
-                           s.prefix_cache_tokens))
-        if s.prefix_cache_hit_rate is not None:
-            gauges.append(("dsctl_prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.",
-                           s.prefix_cache_hit_rate))
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))

@@ -48,8 +48,8 @@ class EngineStats:
     waiting: int = 0
     kv_total_tokens: int = 0
     kv_free_tokens: int = 0
-    prefix_cache_tokens: Optional[int] = None  # KV tokens held (evictable) by the prefix cache
-    prefix_cache_hit_rate: Optional[float] = None
+    prefix_cache_tokens: int = 0  # KV tokens held (evictable) by the prefix cache
+    prefix_cache_hit_rate: float = 0.0
 
 
 @dataclass
