@@ -97,9 +97,13 @@ class EngineArgs:
 
     # ---- kernels and GPU execution ----------------------------------------------
     attention_backend: str = flag(
-        "auto", "MLA attention kernels: 'triton' (CUDA default), 'torch' (reference; CPU default); "
-        "'flashinfer' is reserved and rejected until its backend lands.",
+        "auto", "MLA attention kernels: 'triton' (CUDA default), 'torch' (reference; CPU default), "
+        "'flashinfer' (FlashInfer's MLA wrapper for prefill and decode; needs `pip install flashinfer-python`, "
+        "bfloat16/float16 and a bf16 or fp8_e4m3 KV cache).",
         group=GPU, choices=("auto", "triton", "torch", "flashinfer"),
+    )
+    enable_flashinfer_mla: bool = flag(
+        False, "Same as --attention-backend flashinfer (SGLang's flag name).", group=GPU,
     )
     moe_backend: str = flag(
         "auto", "MoE expert kernels: 'triton' fused MoE (CUDA default) or 'torch' (reference; CPU default).",
@@ -202,10 +206,9 @@ class EngineArgs:
     def _validate_gpu(self) -> None:
         if self.kernel_config_dir is not None and not os.path.isdir(os.path.expanduser(self.kernel_config_dir)):
             raise UsageError(f"--kernel-config-dir {self.kernel_config_dir}: no such directory")
-        if self.attention_backend == "flashinfer":
-            raise UsageError("--attention-backend flashinfer is not available in this dsctl release (FlashInfer's "
-                             "MLA wrapper is not integrated yet); use --attention-backend triton, the CUDA default, "
-                             "which runs the same absorbed-MLA decode with Triton kernels")
+        if self.enable_flashinfer_mla and self.attention_backend not in ("auto", "flashinfer"):
+            raise UsageError(f"--enable-flashinfer-mla selects the flashinfer attention backend, which contradicts "
+                             f"--attention-backend {self.attention_backend}: give only one of them")
         if not 0 < self.mem_fraction_static < 1:
             raise UsageError(f"--mem-fraction-static must be in (0, 1) (got {self.mem_fraction_static})")
         if self.cuda_graph_max_bs < 1 or self.torch_compile_max_bs < 1:

@@ -7,11 +7,17 @@ request table's padding row (every slot 0, the KV pool's scratch slot) with
 sequence length 1, so they attend to one scratch token and write only scratch.
 With --enable-torch-compile the model's decode forward is compiled before capture
 for batch sizes up to --torch-compile-max-bs.
+
+`prepare(fb, bs)` runs the attention backend's host-side planning outside the graph:
+before each capture (on the dummy batch) and before each replay (on the padded
+batch, whose host lengths it reads); backends whose kernels read lengths from
+device tensors do nothing there.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from typing import Callable
 
@@ -24,10 +30,12 @@ log = logging.getLogger(__name__)
 
 class CudaGraphRunner:
     def __init__(self, forward: Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor]], batch_sizes: list[int],
-                 padding_row: int, device: torch.device, compiled_forward=None, compile_max_bs: int = 0):
+                 padding_row: int, device: torch.device, compiled_forward=None, compile_max_bs: int = 0,
+                 prepare: Callable[[ForwardBatch, int], None] = lambda fb, bs: None):
         self.sizes = sorted(batch_sizes)
         self.max_bs = self.sizes[-1]
         self.padding_row = padding_row
+        self.prepare = prepare
         n = self.max_bs
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -36,12 +44,15 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.batches: dict[int, ForwardBatch] = {}  # the static batch each graph was captured with
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         for bs in reversed(self.sizes):
             fn = compiled_forward if compiled_forward is not None and bs <= compile_max_bs else forward
-            fb = self._batch(bs)
+            fb = self.batches[bs] = self._batch(bs)
+            prepare(fb, bs)
+            stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: autotuning, lazy init, compilation
                     fn(fb)
@@ -79,6 +90,9 @@ class CudaGraphRunner:
             self.req_pool_indices[b:bs].fill_(self.padding_row)
             self.seq_lens[b:bs].fill_(1)
             self.out_cache_loc[b:bs].zero_()
+        lens = list(fb.seq_lens_cpu) + [1] * (bs - b)  # host copy of what the static buffers now hold
+        self.prepare(dataclasses.replace(self.batches[bs], seq_lens_cpu=lens, prefix_lens_cpu=[n - 1 for n in lens]),
+                     bs)
         self.graphs[bs].replay()
         logits, hidden = self.outputs[bs]
         return logits[:b], hidden[:b]

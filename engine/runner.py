@@ -77,6 +77,8 @@ class ModelRunner:
         import os
 
         a, m = self.args.attention_backend, self.args.moe_backend
+        if self.args.enable_flashinfer_mla:
+            a = "flashinfer"
         default = "triton" if self.device.type == "cuda" else "torch"
         a, m = (default if a == "auto" else a), (default if m == "auto" else m)
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -88,7 +90,22 @@ class ModelRunner:
                              "captured in CUDA graphs: add --disable-cuda-graph, or use the triton backends")
         if self.args.kv_cache_dtype != "auto" and self.device.type != "cuda":
             raise UsageError(f"--kv-cache-dtype {self.args.kv_cache_dtype} needs a CUDA GPU")
+        if a == "flashinfer":
+            from engine.model.attention_flashinfer import check_supported
+
+            cfg = self.config
+            check_supported(self.device, self.dtype, self._kv_dtype(), cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         return a, m
+
+    def _kv_dtype(self) -> torch.dtype:
+        return KV_CACHE_DTYPES.get(self.args.kv_cache_dtype, self.dtype)
+
+    def _graph_batch_sizes(self) -> list[int]:
+        """Decode batch sizes captured in CUDA graphs ([] when graphs are off)."""
+        if self.device.type != "cuda" or self.args.disable_cuda_graph:
+            return []
+        sizes = [b for b in self.args.cuda_graph_batch_sizes() if b <= self.args.max_running_requests]
+        return sizes or [1]
 
     # ---- construction ------------------------------------------------------
     def _fp8_block(self) -> Optional[tuple[int, int]]:
@@ -149,18 +166,27 @@ class ModelRunner:
     def _init_memory(self) -> None:
         cfg = self.config
         cache_layers = self.num_layers + (1 if self.mtp is not None else 0)
-        kv_dtype = KV_CACHE_DTYPES.get(self.args.kv_cache_dtype, self.dtype)
+        kv_dtype = self._kv_dtype()
         self.req_to_token = ReqToTokenPool(self.args.max_running_requests, self.max_model_len + 1, self.device)
         size = self.args.max_total_tokens or self._default_kv_tokens(cache_layers, kv_dtype)
         self.kv_pool = KVPool(cache_layers, size, cfg.kv_cache_dim, kv_dtype, self.device)
         rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, self.max_model_len + 1, self.device)
+        self.attn_ctx = AttentionContext(self.kv_pool, self.req_to_token, rotary, self._make_attention_backend())
+
+    def _make_attention_backend(self):
         if self.attention_backend == "triton":
             from engine.model.attention_triton import TritonAttentionBackend
 
-            backend = TritonAttentionBackend()
-        else:
-            backend = TorchAttentionBackend()
-        self.attn_ctx = AttentionContext(self.kv_pool, self.req_to_token, rotary, backend)
+            return TritonAttentionBackend()
+        if self.attention_backend == "flashinfer":
+            from engine.model.attention_flashinfer import FlashInferAttentionBackend
+
+            cfg = self.config
+            return FlashInferAttentionBackend(
+                cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, self.dtype,
+                self.kv_pool.dtype, self.kv_pool.scale, self.device, self.req_to_token.table.shape[1],
+                max_graph_bs=max(self._graph_batch_sizes(), default=0))
+        return TorchAttentionBackend()
 
     def _default_kv_tokens(self, cache_layers: int, kv_dtype: torch.dtype) -> int:
         """KV tokens that fit in --mem-fraction-static of the GPU after the weights (CPU: a fixed default)."""
@@ -179,7 +205,6 @@ class ModelRunner:
     def _capture_cuda_graphs(self) -> None:
         from engine.cuda_graph import CudaGraphRunner
 
-        sizes = [b for b in self.args.cuda_graph_batch_sizes() if b <= self.args.max_running_requests]
         compiled = None
         if self.args.enable_torch_compile:
             import torch._inductor.config as inductor_config
@@ -187,9 +212,12 @@ class ModelRunner:
             # Round intermediates to bf16 where eager does, so compiled decode matches eager greedy output.
             inductor_config.emulate_precision_casts = True
             compiled = torch.compile(self._forward_eager, dynamic=False)
+        backend = self.attn_ctx.backend
         with torch.inference_mode():
-            self.graphs = CudaGraphRunner(self._forward_eager, sizes or [1], self.req_to_token.padding_row,
-                                          self.device, compiled, self.args.torch_compile_max_bs)
+            self.graphs = CudaGraphRunner(self._forward_eager, self._graph_batch_sizes(),
+                                          self.req_to_token.padding_row, self.device, compiled,
+                                          self.args.torch_compile_max_bs,
+                                          prepare=lambda fb, bs: backend.begin_forward(fb, self.attn_ctx, bs))
 
     # ---- forward -----------------------------------------------------------
     def _forward_eager(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,6 +229,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(fb):
             logits, hidden = self.graphs.replay(fb)
         else:
+            self.attn_ctx.backend.begin_forward(fb, self.attn_ctx)
             logits, hidden = self._forward_eager(fb)
         return ForwardOutput(logits=logits, hidden=hidden)
 
@@ -208,5 +237,6 @@ class ModelRunner:
     def forward_mtp(self, fb: ForwardBatch) -> ForwardOutput:
         if self.mtp is None:
             raise UsageError("this checkpoint has no MTP/NextN layer (num_nextn_predict_layers = 0)")
+        self.attn_ctx.backend.begin_forward(fb, self.attn_ctx)
         hidden = self.mtp(fb, self.attn_ctx)
         return ForwardOutput(logits=self.mtp.logits(hidden[fb.logits_indices]), hidden=hidden)

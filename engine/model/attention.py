@@ -9,8 +9,9 @@ rotated shared rope key k_pe (qk_rope_head_dim). Two ways to attend:
   space), attend over c_kv / k_pe directly with one KV head shared by all query
   heads, then map the latent output back with W_UV before o_proj.
 
-Backends implement `extend` and `decode`; `TorchAttentionBackend` is the
-reference the Triton/FlashInfer backends are checked against.
+Backends implement `begin_forward` (per-forward planning), `extend` and `decode`;
+`TorchAttentionBackend` is the reference the Triton/FlashInfer backends are
+checked against.
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ class MLA(nn.Module):
 
 
 class AttentionBackend(Protocol):
+    def begin_forward(self, fb: ForwardBatch, ctx: "AttentionContext", graph_bs: int | None = None) -> None:
+        """Host-side set-up once per forward, before any layer runs (graph_bs: the CUDA graph's padded size)."""
+
     def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: "AttentionContext") -> torch.Tensor:
         """New tokens' attention output [T, H, v]."""
 
@@ -115,6 +119,9 @@ class AttentionContext:
 
 class TorchAttentionBackend:
     """Reference MLA attention in plain torch: one request at a time, float32 softmax."""
+
+    def begin_forward(self, fb: ForwardBatch, ctx: AttentionContext, graph_bs: int | None = None) -> None:
+        pass  # reads lengths from fb as it goes
 
     def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: AttentionContext):
         out = q_nope.new_empty(q_nope.shape[0], layer.num_heads, layer.v_dim)

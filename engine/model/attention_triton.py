@@ -42,6 +42,9 @@ class TritonAttentionBackend:
     def __init__(self, num_kv_splits: int | None = None):
         self.num_kv_splits = num_kv_splits
 
+    def begin_forward(self, fb: ForwardBatch, ctx: AttentionContext, graph_bs: int | None = None) -> None:
+        pass  # the kernels read lengths from device tensors: nothing to plan
+
     @torch.compiler.disable
     def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: AttentionContext):
         from kernels.mla_extend import extend_attention

@@ -80,7 +80,8 @@ def test_bad_flag_values(flag, value):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (("--attention-backend", "flashinfer"), "--attention-backend triton"),
+    (("--attention-backend", "flashinfer"), "needs a CUDA GPU"),
+    (("--enable-flashinfer-mla", "--attention-backend", "triton"), "give only one"),
     (("--kv-cache-dtype", "fp8_e5m2"), "CUDA GPU"),
     (("--enable-torch-compile", "--disable-cuda-graph"), "--enable-torch-compile"),
 ])

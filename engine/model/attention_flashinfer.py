@@ -1,0 +1,205 @@
+"""FlashInfer MLA attention backend (optional dependency: `pip install flashinfer-python`).
+
+Extend and decode both run the absorbed formulation through FlashInfer's
+`BatchMLAPagedAttentionWrapper`: the query is folded into latent space with W_UK
+(the FP8 bmm when the weights are FP8), attention reads the paged latent cache
+in place (page size 1: one KV-pool slot per page; the pool's [slot, 576] rows are
+passed as one packed tensor), and the latent output goes back through W_UV.
+Extend is causal with each request's queries aligned to the end of its KV (the
+cached prefix plus the new tokens, which MLA.forward has already written).
+
+FlashInfer plans on the host once per forward and every layer reuses that plan:
+`begin_forward(fb)` plans before an eager forward. For CUDA graphs, each captured
+batch size gets its own wrapper whose metadata buffers stay at fixed addresses;
+it is planned before capture and re-planned (host side, outside the graph)
+before every replay with the padded batch's lengths.
+
+FlashInfer is imported lazily, only when this backend is built on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Optional
+
+import torch
+
+from engine.errors import UsageError
+from engine.forward_batch import ForwardBatch
+from engine.model.attention import MLA, AttentionContext
+from engine.model.attention_triton import TritonAttentionBackend, absorbed_query, latent_to_values
+
+log = logging.getLogger(__name__)
+
+WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's float workspace (split-KV partial outputs); one for all wrappers
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+INSTALL_HINT = "pip install flashinfer-python"
+
+
+def check_supported(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+                    kv_lora_rank: int, rope_dim: int) -> None:
+    """Raise UsageError (why, and what to use instead) when FlashInfer MLA cannot run this setup."""
+    instead = "or use --attention-backend triton (the CUDA default)"
+    if device.type != "cuda":
+        raise UsageError("--attention-backend flashinfer needs a CUDA GPU; on CPU use --attention-backend torch")
+    if importlib.util.find_spec("flashinfer") is None:
+        raise UsageError(f"--attention-backend flashinfer: FlashInfer is not installed ({INSTALL_HINT}), {instead}")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise UsageError(f"--attention-backend flashinfer: FlashInfer's MLA kernels take bfloat16/float16 "
+                         f"activations, not {dtype}; use --dtype bfloat16, {instead}")
+    if kv_dtype not in KV_DTYPES:
+        raise UsageError(f"--attention-backend flashinfer: FlashInfer's MLA kernels read FP8 caches as e4m3 only "
+                         f"(got {kv_dtype}); use --kv-cache-dtype fp8_e4m3, {instead}")
+    if (kv_lora_rank, rope_dim) != (512, 64):
+        raise UsageError(f"--attention-backend flashinfer: FlashInfer's MLA kernels are built for DeepSeek's "
+                         f"kv_lora_rank 512 + rope 64, this model has {kv_lora_rank} + {rope_dim}; {instead}")
+
+
+def csr_lengths(extend_lens: list[int], seq_lens: list[int],
+                pin: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host int32 qo_indptr [B+1], kv_indptr [B+1], kv_lens [B] for a batch (page size 1: pages = tokens).
+
+    pin: in page-locked memory, so that copying them to the GPU does not wait for the work already
+    queued there (a copy from pageable memory does), which keeps the host a step ahead."""
+    def indptr(lens):
+        out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
+        return out
+
+    tensors = indptr(extend_lens), indptr(seq_lens), torch.tensor(seq_lens, dtype=torch.int32)
+    return tuple(t.pin_memory() for t in tensors) if pin else tensors
+
+
+def kv_page_indices(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor, total: int,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Concatenate table[row, :len] over the batch (int32, on the table's device, no host sync).
+
+    `total` is sum(seq_lens), known on the host; `out` (at least `total` long) receives the result."""
+    seq_lens = seq_lens.to(torch.int64)
+    starts = torch.cumsum(seq_lens, 0) - seq_lens
+    rows = torch.repeat_interleave(req_rows.to(torch.int64), seq_lens, output_size=total)
+    pos = torch.arange(total, device=table.device) - torch.repeat_interleave(starts, seq_lens, output_size=total)
+    pages = table[rows, pos]
+    if out is None:
+        return pages.to(torch.int32)
+    out[:total].copy_(pages)
+    return out[:total]
+
+
+class FlashInferAttentionBackend:
+    def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, sm_scale: float, q_dtype: torch.dtype,
+                 kv_dtype: torch.dtype, kv_scale: float, device: torch.device, max_context: int,
+                 max_graph_bs: int = 0):
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+
+        self._wrapper_cls, self._metadata_cls = BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+        self.num_heads, self.kv_lora_rank, self.rope_dim = num_heads, kv_lora_rank, rope_dim
+        self.sm_scale, self.q_dtype, self.kv_dtype, self.device = sm_scale, q_dtype, kv_dtype, device
+        self.max_context, self.max_graph_bs = max_context, max_graph_bs
+        # FlashInfer's FP8 MLA multiplies by these per-tensor scales (stored * scale = value, as in KVPool).
+        self.kv_scales = dict(ckv_scale=kv_scale, kpe_scale=kv_scale) if kv_dtype.itemsize == 1 else {}
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.eager = BatchMLAPagedAttentionWrapper(self.workspace)
+        self.graph_wrappers: dict[int, object] = {}
+        self.graph_indices: Optional[torch.Tensor] = None  # page indices shared by all graph wrappers
+        self.active = None  # the wrapper planned for the forward in flight
+        self.fallback = TritonAttentionBackend()  # extends FlashInfer's planner refuses
+        self._plan_copied = None  # CUDA event recorded after the last plan's host-to-device copy
+        self.fast_replan = True  # False: every graph replay uses FlashInfer's public plan() (benchmarks compare)
+        self._warned_fallback = False
+
+    # ---- planning (host side, once per forward) -------------------------------------------
+    def begin_forward(self, fb: ForwardBatch, ctx: AttentionContext, graph_bs: Optional[int] = None) -> None:
+        """Plan the wrapper for this batch; with graph_bs, the CUDA-graph wrapper of that padded size."""
+        if fb.batch_size == 0:
+            self.active = None
+            return
+        if self._plan_copied is not None:
+            # FlashInfer's plan writes the schedule into a pinned host buffer and copies it to the GPU
+            # asynchronously: wait until the previous plan's copy has left that buffer before rewriting
+            # it (with overlap scheduling the host plans step N+1 while step N is still queued).
+            self._plan_copied.synchronize()
+        self._plan(fb, ctx, graph_bs)
+        if self.device.type == "cuda":
+            self._plan_copied = self._plan_copied or torch.cuda.Event()
+            self._plan_copied.record()
+
+    def _plan(self, fb: ForwardBatch, ctx: AttentionContext, graph_bs: Optional[int]) -> None:
+        wrapper = self.eager if graph_bs is None else self._graph_wrapper(graph_bs)
+        qo_indptr, kv_indptr, kv_lens = csr_lengths(fb.extend_lens_cpu, fb.seq_lens_cpu, self.device.type == "cuda")
+        total = int(kv_indptr[-1])
+        out = self.graph_indices if graph_bs is not None else None
+        indices = kv_page_indices(ctx.req_to_token.table, fb.req_pool_indices, fb.seq_lens, total, out)
+        replan = graph_bs is not None and self.fast_replan
+        if replan and self._replan_captured(wrapper, qo_indptr, kv_indptr, kv_lens):
+            self.active = wrapper
+            return
+        try:
+            wrapper.plan(
+                metadata=self._metadata_cls.csr(qo_indptr, kv_indptr, indices, kv_lens),
+                num_heads=self.num_heads, head_dim_ckv=self.kv_lora_rank, head_dim_kpe=self.rope_dim,
+                page_size=1, causal=not fb.mode.is_decode, sm_scale=self.sm_scale,
+                q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
+                query_layout="split", kv_cache_layout="packed",
+            )
+        except Exception as e:  # FlashInfer's planner refuses some very long causal extends
+            if fb.mode.is_decode:
+                raise
+            self._warn_fallback(e)
+            self.active = None
+            return
+        self.active = wrapper
+
+    def _replan_captured(self, wrapper, qo_indptr, kv_indptr, kv_lens) -> bool:
+        """Re-plan a CUDA-graph wrapper that was planned before: the schedule only, without the public
+        plan()'s validation (about a millisecond of Python per decode step; the metadata were checked
+        when the graph was captured and have the same shapes now). Page indices are already in the
+        wrapper's buffer. Uses FlashInfer's fa2/fa3 plan internals (0.7.x); returns False (and the public
+        plan() runs) when this FlashInfer does not have them."""
+        b = getattr(wrapper, "_planned_backend", None)
+        module = getattr(b, "_cached_module", None)
+        if module is None or not hasattr(module, "plan_with_staged_workspace_bytes"):
+            return False
+        module.plan_with_staged_workspace_bytes(
+            b._float_workspace_buffer, b._int_workspace_buffer, b._pin_memory_int_workspace_buffer,
+            qo_indptr, kv_indptr, kv_lens, self.num_heads, self.kv_lora_rank, False)
+        for buf, src in ((b._qo_indptr_buf, qo_indptr), (b._kv_indptr_buf, kv_indptr), (b._kv_len_arr_buf, kv_lens)):
+            buf[: src.numel()].copy_(src, non_blocking=True)
+        return True
+
+    def _graph_wrapper(self, bs: int):
+        if bs not in self.graph_wrappers:
+            if self.graph_indices is None:  # sized for the largest captured batch at full context
+                n = max(self.max_graph_bs, bs) * self.max_context
+                self.graph_indices = torch.zeros(n, dtype=torch.int32, device=self.device)
+            i32 = dict(dtype=torch.int32, device=self.device)
+            self.graph_wrappers[bs] = self._wrapper_cls(
+                self.workspace, use_cuda_graph=True, qo_indptr=torch.zeros(bs + 1, **i32),
+                kv_indptr=torch.zeros(bs + 1, **i32), kv_indices=self.graph_indices,
+                kv_len_arr=torch.zeros(bs, **i32))
+        return self.graph_wrappers[bs]
+
+    def _warn_fallback(self, err: Exception) -> None:
+        if not self._warned_fallback:
+            log.warning("FlashInfer MLA cannot plan this extend batch (%s); such batches use the Triton "
+                        "extend kernel", err)
+            self._warned_fallback = True
+
+    # ---- attention --------------------------------------------------------------------------
+    def _run(self, layer: MLA, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        q_lat = absorbed_query(layer, q_nope).to(self.q_dtype).contiguous()
+        cache = ctx.kv_pool.buffer[layer.layer_id].unsqueeze(1)  # [slots, page_size 1, kv_lora + rope]
+        out_lat = self.active.run(query=(q_lat, q_pe.to(self.q_dtype).contiguous()), kv_cache=cache,
+                                  **self.kv_scales)
+        return latent_to_values(layer, out_lat.to(q_nope.dtype))
+
+    @torch.compiler.disable
+    def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: AttentionContext):
+        if self.active is None:
+            return self.fallback.extend(layer, q_nope, q_pe, c_kv, k_pe, fb, ctx)
+        return self._run(layer, q_nope, q_pe, ctx)
+
+    @torch.compiler.disable
+    def decode(self, layer: MLA, q_nope, q_pe, fb: ForwardBatch, ctx: AttentionContext):
+        return self._run(layer, q_nope, q_pe, ctx)

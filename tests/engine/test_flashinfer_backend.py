@@ -1,0 +1,96 @@
+"""The FlashInfer MLA backend on CPU: its metadata, its start-up checks, and its plumbing through the
+whole model against the torch reference, with `tests/engine/fake_flashinfer.py` standing in for the
+real kernels (which tests/gpu/test_flashinfer.py runs on a GPU)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.errors import UsageError
+from engine.model import attention_flashinfer as fi
+from engine.sampling import SamplingParams
+from tests.engine import fake_flashinfer
+
+
+def test_csr_lengths():
+    qo, kv, lens = fi.csr_lengths([3, 1, 5], [10, 1, 7])
+    assert qo.tolist() == [0, 3, 4, 9] and kv.tolist() == [0, 10, 11, 18] and lens.tolist() == [10, 1, 7]
+    assert {qo.dtype, kv.dtype, lens.dtype} == {torch.int32} and qo.device.type == "cpu"
+    if torch.cuda.is_available():  # page-locked copies for non-blocking uploads
+        assert all(t.is_pinned() for t in fi.csr_lengths([1], [4], pin=True))
+
+
+def test_kv_page_indices_gathers_each_requests_slots():
+    g = torch.Generator().manual_seed(0)
+    table = torch.randint(1, 10_000, (9, 50), generator=g, dtype=torch.int32)
+    rows = torch.tensor([4, 0, 4, 8, 2])  # a row may repeat (padding rows do)
+    lens = torch.randint(1, 51, (5,), generator=g)
+    total = int(lens.sum())
+    want = torch.cat([table[r, :n] for r, n in zip(rows.tolist(), lens.tolist())])
+    got = fi.kv_page_indices(table, rows, lens, total)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+    out = torch.full((total + 7,), -1, dtype=torch.int32)
+    view = fi.kv_page_indices(table, rows, lens, total, out)
+    assert torch.equal(view, want) and view.data_ptr() == out.data_ptr() and (out[total:] == -1).all()
+
+
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(device=torch.device("cpu")), "needs a CUDA GPU"),
+    (dict(dtype=torch.float32), "--dtype bfloat16"),
+    (dict(kv_dtype=torch.float8_e5m2), "--kv-cache-dtype fp8_e4m3"),
+    (dict(kv_lora_rank=128, rope_dim=32), "kv_lora_rank 512 + rope 64"),
+])
+def test_unsupported_setups_are_rejected_with_a_fix(monkeypatch, kw, needle):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flashinfer" else None)
+    args = dict(device=CUDA, dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_lora_rank=512, rope_dim=64)
+    fi.check_supported(**args)  # the DeepSeek setup passes
+    with pytest.raises(UsageError, match="--attention-backend") as err:
+        fi.check_supported(**{**args, **kw})
+    assert needle in str(err.value)
+
+
+def test_missing_flashinfer_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(UsageError, match="pip install flashinfer-python.*--attention-backend triton"):
+        fi.check_supported(CUDA, torch.bfloat16, torch.bfloat16, 512, 64)
+
+
+def test_alias_conflicts_with_another_backend():
+    with pytest.raises(UsageError, match="--enable-flashinfer-mla .* --attention-backend triton"):
+        Engine(model="tiny", device="cpu", enable_flashinfer_mla=True, attention_backend="triton")
+
+
+def _generate(eng, prompts, n=6):
+    sp = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, logprobs=True)
+    return [(o.token_ids, o.logprobs) for o in eng.generate(input_ids=prompts, sampling_params=sp)]
+
+
+def _rounds(eng):
+    """Three rounds: fresh prompts, then prompts sharing cached prefixes (extend over a prefix), then decode-heavy."""
+    g = torch.Generator().manual_seed(1)
+    base = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (23, 9, 40)]
+    second = [base[0] + [5, 6, 7], base[2][:30] + [1, 2], base[1]]
+    return _generate(eng, base) + _generate(eng, second) + _generate(eng, [[3, 4]], n=20)
+
+
+def test_backend_plumbing_matches_torch_reference(monkeypatch):
+    kw = dict(model="tiny", device="cpu", dtype="float32", attention_backend="torch", moe_backend="torch")
+    ref = _rounds(Engine(**kw))
+    fake_flashinfer.install(monkeypatch)
+    eng = Engine(**kw)
+    r, cfg = eng.runner, eng.runner.config
+    backend = fi.FlashInferAttentionBackend(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                                            cfg.softmax_scale, torch.float32, torch.float32, 1.0, r.device,
+                                            r.req_to_token.table.shape[1])
+    r.attn_ctx.backend = backend
+    before = fake_flashinfer.BatchMLAPagedAttentionWrapper.plans
+    got = _rounds(eng)
+    assert fake_flashinfer.BatchMLAPagedAttentionWrapper.plans - before >= 3 + 20  # one plan per forward
+    for (rt, rl), (gt, gl) in zip(ref, got):
+        assert gt == rt
+        assert max(abs(a - b) for a, b in zip(gl, rl)) < 1e-4  # float32: absorbed vs expanded rounding only
