@@ -1,8 +1,9 @@
 """Decode-step benchmark of a truncated DeepSeek-V3 (dummy FP8 weights) on one GPU, next to its bytes floor.
 
     python benchmarks/bench_decode.py [--num-layers 5] [--batch-sizes 1,8,32,128] [--modes eager,graph,compile]
+                                      [--kv-dtypes auto,fp8_e4m3] [--attention-backends triton,flashinfer]
 
-For each KV dtype (bf16, fp8_e4m3) and mode (eager, CUDA graph, CUDA graph +
+For each attention backend, KV dtype (bf16, fp8_e4m3) and mode (eager, CUDA graph, CUDA graph +
 torch.compile) it runs `bench one-batch` (input 256, output 32) and reports the
 median decode step. The floor of a step is the bytes it must read once (every
 weight it touches: attention, dense MLP, shared expert, the routed experts the
@@ -115,13 +116,36 @@ def per_layer_times(args: EngineArgs, bs: int) -> list[float]:
     return out
 
 
+def run_case(args: EngineArgs, cfg, sizes, bw, n_layers, key: dict) -> list[dict]:
+    """`bench one-batch` rows for one backend / KV dtype / mode; a failure becomes one error row."""
+    try:
+        res = run_one_batch(args, sizes, IN_LEN, OUT_LEN, None, None)
+    except Exception as exc:  # record and go on: one failing mode must not hide the others
+        print(f"FAILED {key}: {type(exc).__name__}: {exc}", flush=True)
+        return [{**key, "error": f"{type(exc).__name__}: {exc}"[:300]}]
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+    rows = []
+    for r in res:
+        kvb = 1 if key["kv"] == "fp8_e4m3" else 2
+        floor = step_floor_s(cfg, n_layers, r.batch_size, IN_LEN + OUT_LEN // 2, kvb, bw)
+        rows.append({**key, "bs": r.batch_size, "decode_ms": r.median_decode_latency_s * 1e3,
+                     "floor_ms": floor * 1e3, "x_floor": r.median_decode_latency_s / floor,
+                     "prefill_ms": r.prefill_latency_s * 1e3})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-layers", type=int, default=5)
     ap.add_argument("--batch-sizes", default="1,8,32,128")
     ap.add_argument("--modes", default="eager,graph,compile")
     ap.add_argument("--kv-dtypes", default="auto,fp8_e4m3")
+    ap.add_argument("--attention-backends", default="triton", help="comma-separated: triton, flashinfer")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--no-per-layer", dest="per_layer", action="store_false", help="skip the per-layer table")
     opts = ap.parse_args()
     sizes = [int(x) for x in opts.batch_sizes.split(",")]
     cfg = parse_config(lookup("deepseek-v3").config_dict())
@@ -130,28 +154,13 @@ def main() -> None:
     base = EngineArgs(model="deepseek-v3", load_format="dummy", num_layers=opts.num_layers,
                       cuda_graph_bs=",".join(map(str, sizes)), max_running_requests=max(sizes))
     rows = []
-    for kv in opts.kv_dtypes.split(","):
-        for mode in opts.modes.split(","):
-            args = base.replace(kv_cache_dtype=kv, disable_cuda_graph=mode == "eager",
-                                enable_torch_compile=mode == "compile", torch_compile_max_bs=max(sizes))
-            try:
-                res = run_one_batch(args, sizes, IN_LEN, OUT_LEN, None, None)
-            except Exception as exc:  # record and go on: one failing mode must not hide the others
-                print(f"FAILED kv={kv} mode={mode}: {type(exc).__name__}: {exc}", flush=True)
-                rows.append({"kv": kv, "mode": mode, "error": f"{type(exc).__name__}: {exc}"[:300]})
-                continue
-            finally:
-                gc.collect()
-                torch.cuda.empty_cache()
-            for r in res:
-                kvb = 1 if kv == "fp8_e4m3" else 2
-                floor = step_floor_s(cfg, opts.num_layers, r.batch_size, IN_LEN + OUT_LEN // 2, kvb, bw)
-                rows.append({"kv": kv, "mode": mode, "bs": r.batch_size,
-                             "decode_ms": r.median_decode_latency_s * 1e3, "floor_ms": floor * 1e3,
-                             "x_floor": r.median_decode_latency_s / floor,
-                             "prefill_ms": r.prefill_latency_s * 1e3})
-                print(json.dumps(rows[-1]), flush=True)
-    layers = {bs: per_layer_times(base, bs) for bs in (sizes[0], sizes[-1])}
+    for attn in opts.attention_backends.split(","):
+        for kv in opts.kv_dtypes.split(","):
+            for mode in opts.modes.split(","):
+                args = base.replace(attention_backend=attn, kv_cache_dtype=kv, disable_cuda_graph=mode == "eager",
+                                    enable_torch_compile=mode == "compile", torch_compile_max_bs=max(sizes))
+                rows += run_case(args, cfg, sizes, bw, opts.num_layers, dict(attn=attn, kv=kv, mode=mode))
+    layers = {bs: per_layer_times(base, bs) for bs in (sizes[0], sizes[-1])} if opts.per_layer else {}
     with open(os.path.join(opts.out, "bench_decode.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "rows": rows, "layers": layers}, f)
     print_tables(cfg, rows, layers, bw, opts.num_layers)
@@ -165,15 +174,16 @@ def print_tables(cfg, rows, layers, bw, n_layers) -> None:
             kind = "moe" if cfg.is_moe_layer(i) else "dense"
             print(f"  bs={bs:<4} layer {i} ({kind:5}) {t:8.3f} ms   floor {fl:7.3f} ms   x{t / fl:5.2f}")
     print("\nDecode step (median of 31), DeepSeek-V3 dummy FP8 weights,", n_layers, "layers:")
-    print(f"{'kv':9} {'mode':8} {'bs':>4} {'step ms':>9} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'x61/n ms':>12}")
-    eager = {(r['kv'], r['bs']): r['decode_ms'] for r in rows if r.get('mode') == 'eager' and 'bs' in r}
+    print(f"{'attn':10} {'kv':9} {'mode':8} {'bs':>4} {'step ms':>9} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} "
+          f"{'x61/n ms':>12}")
+    eager = {(r['attn'], r['kv'], r['bs']): r['decode_ms'] for r in rows if r['mode'] == 'eager' and 'bs' in r}
     for r in rows:
         if "error" in r:
-            print(f"{r['kv']:9} {r['mode']:8} FAILED: {r['error'][:80]}")
+            print(f"{r['attn']:10} {r['kv']:9} {r['mode']:8} FAILED: {r['error'][:80]}")
             continue
         ext = r["decode_ms"] * 61 / n_layers  # upper bound: the lm_head share is scaled too
-        speed = eager.get((r["kv"], r["bs"]), math.nan) / r["decode_ms"]
-        print(f"{r['kv']:9} {r['mode']:8} {r['bs']:>4} {r['decode_ms']:9.3f} {r['floor_ms']:9.3f} "
+        speed = eager.get((r["attn"], r["kv"], r["bs"]), math.nan) / r["decode_ms"]
+        print(f"{r['attn']:10} {r['kv']:9} {r['mode']:8} {r['bs']:>4} {r['decode_ms']:9.3f} {r['floor_ms']:9.3f} "
               f"{r['x_floor']:8.2f} {r['bs'] / r['decode_ms'] * 1e3:9.0f} {ext:12.1f}  (x{speed:.2f} vs eager)")
 
 
