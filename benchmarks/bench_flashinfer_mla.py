@@ -73,7 +73,7 @@ def plan_overhead(batches=(1, 32, 128), ctx=4096, reps=50) -> list[dict]:
     """Host microseconds of begin_forward for a CUDA-graph decode batch: public plan vs captured re-plan."""
     import time
 
-    from engine.forward_batch import ForwardMode
+    from engine.forward_batch import ForwardBatch, ForwardMode
     from engine.memory.pools import ReqToTokenPool
     from engine.model.attention import AttentionContext
     from engine.model.attention_flashinfer import FlashInferAttentionBackend
@@ -85,7 +85,6 @@ def plan_overhead(batches=(1, 32, 128), ctx=4096, reps=50) -> list[dict]:
         backend = FlashInferAttentionBackend(128, LKV, ROPE, SM_SCALE, torch.bfloat16, torch.bfloat16, 1.0,
                                              torch.device(DEV), ctx + 1, max_graph_bs=bs)
         ctx_ = AttentionContext(None, table, None, backend)
-        from engine.forward_batch import ForwardBatch
 
         def batch(lens):
             return ForwardBatch.build(ForwardMode.DECODE, [0] * bs, list(range(bs)), [n - 1 for n in lens],
