@@ -1,0 +1,103 @@
+"""The collectives the TP model and scheduler use, over a `TPGroup` (engine.distributed.groups).
+
+Tensor collectives (device group: NCCL on CUDA, gloo on CPU):
+- `all_reduce(x, group)`: sum in place (o_proj, MLP down, MoE output, vocab-parallel embedding);
+- `all_gather_last_dim(x, group)`: concatenate along the last dim in rank order (vocab-parallel
+  logits: rank r holds vocab rows [r * V / tp, (r + 1) * V / tp));
+- `broadcast_tensor(x, src, group)`: in place from group rank `src` (e.g. sampled token ids).
+Host-side collectives (the gloo `cpu_group`):
+- `broadcast_object(obj, src, group)`: a picklable object (scheduler messages);
+- `all_reduce_min_int(value, group)`: agree on the smallest int (the KV pool size every rank can hold);
+- `barrier(group)`.
+
+Every function returns at once at group size 1, touching no torch.distributed state, so the
+single-process path costs nothing and needs no process group.
+
+CUDA graphs (for the wiring): `all_reduce`, `all_gather_last_dim` and `broadcast_tensor` issue
+one NCCL call on the current stream with `async_op=False`, which CUDA graph capture records
+(PyTorch's NCCL process group supports capture). What the caller must do:
+- create the NCCL communicator before capture (init_parallel's warm-up all-reduce does);
+- capture with fixed shapes (the padded graph batch); the output buffers allocated here come
+  from the graph's memory pool, which is fine;
+- never call .item(), .tolist() or a host-side collective (`broadcast_object`,
+  `all_reduce_min_int`, `barrier`) inside the captured region: they synchronise with the host;
+- every rank must capture and replay the same graphs in the same order (same batch sizes),
+  or the NCCL calls of different ranks pair up wrongly and hang.
+torch.compile: collectives break the graph (or are traced as functional collectives,
+depending on the torch version); check the compiled decode path on several GPUs before
+relying on it, and fall back to marking the caller `torch.compiler.disable`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.distributed.groups import TPGroup
+
+
+def all_reduce(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """Sum x over the group, in place; returns x."""
+    if group.size == 1:
+        return x
+    import torch.distributed as dist
+
+    dist.all_reduce(x, group=group.device_group)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """[..., D] on every rank -> [..., size * D], rank r's block at columns [r * D, (r + 1) * D)."""
+    if group.size == 1:
+        return x
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    # ranks' blocks stacked along dim 0 (the layout both NCCL and gloo accept), then moved to the last dim
+    out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group.device_group)
+    out = out.view(group.size, *x.shape)
+    return out.movedim(0, -2).reshape(*x.shape[:-1], group.size * x.shape[-1])
+
+
+def broadcast_tensor(x: torch.Tensor, src: int, group: TPGroup) -> torch.Tensor:
+    """Overwrite x on every rank with group rank `src`'s x (same shape and dtype everywhere); returns x."""
+    if group.size == 1:
+        return x
+    import torch.distributed as dist
+
+    dist.broadcast(x, src=group.world_rank(src), group=group.device_group)
+    return x
+
+
+def broadcast_object(obj: Any, src: int, group: TPGroup) -> Any:
+    """Group rank `src`'s `obj` (pickled over the gloo cpu_group) on every rank; others pass anything."""
+    if group.size == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if group.rank == src else None]
+    dist.broadcast_object_list(box, src=group.world_rank(src), group=group.cpu_group)
+    return box[0]
+
+
+def all_reduce_min_int(value: int, group: TPGroup) -> int:
+    """The smallest `value` over the group (e.g. KV tokens that fit on every rank)."""
+    if group.size == 1:
+        return int(value)
+    import torch.distributed as dist
+
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    return int(t[0])
+
+
+def barrier(group: TPGroup) -> None:
+    """Wait until every rank of the group gets here (host side)."""
+    if group.size == 1:
+        return
+    import torch.distributed as dist
+
+    dist.barrier(group=group.cpu_group)

@@ -1,0 +1,116 @@
+"""torch.distributed set-up for one rank process: the world, its TP group, and tear-down.
+
+`init_parallel(config, local_rank, device_type)` joins the world through
+"tcp://HOST:PORT" (no environment variables), NCCL on CUDA and gloo on CPU, and returns a
+`ParallelState`: this rank's place in the world and its `TPGroup`. Nothing is kept in module
+globals: pass the state (or its `tp` group) to whoever runs collectives, e.g. the model's
+forward context. `single_process(device)` is the same object for an unsplit run (size 1,
+no torch.distributed at all), so callers never branch on "is TP on".
+
+Each group has two process groups over the same ranks:
+- `device_group` for tensor collectives (NCCL on CUDA, gloo on CPU);
+- `cpu_group`, always gloo, for host-side objects (scheduler messages, small ints). It is a
+  separate group even on CPU so that a thread broadcasting scheduler messages never
+  interleaves with the forward's collectives on the same communicator.
+
+A warm-up all-reduce at the end of `init_parallel` proves every rank joined and creates the
+NCCL communicator before any CUDA graph is captured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+
+from engine.distributed.parallel_config import ParallelConfig
+from engine.errors import DsctlError
+
+
+class DistInitError(DsctlError):
+    """This rank could not join the torch.distributed world (unreachable address, timeout, ...)."""
+
+
+@dataclass
+class TPGroup:
+    """One tensor-parallel group as seen by one of its ranks."""
+
+    rank: int  # rank inside the group, 0..size-1
+    size: int
+    ranks: tuple[int, ...]  # world ranks of the members, in group-rank order
+    device_group: Any = None  # torch ProcessGroup for tensors (None when size == 1)
+    cpu_group: Any = None  # gloo ProcessGroup for host objects (None when size == 1)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def world_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+
+@dataclass
+class ParallelState:
+    """This process's place in the world. Extension point: DP-attention and EP groups join `tp` here."""
+
+    world_rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    tp: TPGroup
+    backend: Optional[str] = None  # "nccl" | "gloo" | None (single process)
+    owns_world: bool = False  # True when this state called init_process_group (destroy() undoes it)
+
+    def destroy(self) -> None:
+        """Leave the world (idempotent). Every rank should call it before exiting cleanly."""
+        if not self.owns_world:
+            return
+        import torch.distributed as dist
+
+        self.owns_world = False
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def single_process(device: torch.device | str = "cpu") -> ParallelState:
+    """The state of an unsplit run: TP size 1, no torch.distributed."""
+    return ParallelState(world_rank=0, world_size=1, local_rank=0, device=torch.device(device),
+                         tp=TPGroup(rank=0, size=1, ranks=(0,)))
+
+
+def init_parallel(config: ParallelConfig, local_rank: int, device_type: str = "cpu") -> ParallelState:
+    """Join the world as this node's `local_rank` and build the TP group (all world ranks, for now)."""
+    import torch.distributed as dist
+
+    rank, world = config.global_rank(local_rank), config.world_size
+    if device_type == "cuda":
+        device = torch.device("cuda", config.gpu_id(local_rank))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if world == 1:
+        return single_process(device)
+    timeout = timedelta(seconds=config.dist_timeout)
+    url = config.init_method()
+    try:
+        dist.init_process_group(backend, init_method=url, world_size=world, rank=rank, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
+    except Exception as exc:  # noqa: BLE001 - any rendezvous failure is reported the same way
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DistInitError(f"rank {rank} could not join the {world}-rank world at {url} within "
+                            f"--dist-timeout {config.dist_timeout:g}s: {first}") from None
+    ranks = tuple(range(world))
+    device_group = dist.group.WORLD
+    cpu_group = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+    tp = TPGroup(rank=rank, size=world, ranks=ranks, device_group=device_group, cpu_group=cpu_group)
+    state = ParallelState(world_rank=rank, world_size=world, local_rank=local_rank, device=device, tp=tp,
+                          backend=backend, owns_world=True)
+    warm = torch.ones(1, device=device)
+    dist.all_reduce(warm, group=device_group)
+    if int(warm.item()) != world:
+        state.destroy()
+        raise DistInitError(f"rank {rank}: warm-up all-reduce gave {warm.item()} instead of {world}")
+    return state

@@ -1,0 +1,240 @@
+"""`ParallelConfig`: the parallel layout flags (TP, DP attention, EP, nodes), their checks, and the
+check that a TP size splits a model's weights cleanly.
+
+Every check raises `UsageError` with a one-line message that says how to fix it, before any
+process starts or any weight is read.
+
+FP8 block checkpoints and TP (the decision)
+-------------------------------------------
+A TP split cuts a weight along its rows (q_b / kv_b / gate / up) or columns (o_proj / down)
+into per-rank slices of `full / tp`. Block-FP8 weights carry one float32 scale per 128 x 128
+tile, so a slice either starts on a block boundary (it takes whole scale rows/cols) or sits
+inside one block (it takes that block's scale). Both dequantise exactly; re-quantising per
+rank would not be exact and is never done. What is rejected:
+
+- a slice that straddles a block boundary (e.g. 192 rows per rank with 128-row blocks): its
+  local row r would need scale row (start + r) // 128 - start // 128, which the kernels,
+  indexing scales by r // 128, do not compute;
+- routed-expert w13 slices that are not a whole number of blocks: w13 stacks the gate rows and
+  then the up rows, and the fused MoE kernel finds the up half's scales at
+  (row + N_local) // 128, so N_local (= moe_intermediate_size / tp) must be a multiple of the
+  block. tiny-fp8 at TP 2 (64 rows per rank) is such a case.
+
+Dense linears whose per-rank slice is smaller than a block but inside it are accepted: the
+block GEMM (kernels/fp8.py) indexes weight scales by row // GROUP_N and masks the K tail, so
+a [64, K] weight with one scale row, or a [N, 64] weight with one scale column, is exact.
+(Along K the activations are then quantised in 1 x 64 groups instead of 1 x 128: the weights
+are exact, the W8A8 activation rounding differs slightly from TP 1.)
+
+These rules apply only when FP8 weights stay FP8 (`fp8_block` given, the CUDA W8A8 path).
+When the loader dequantises them (`fp8_block=None`, e.g. on CPU), any divisible split is
+exact: engine.weights.sharding dequantises a slice with its enclosing blocks' scales.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from engine.config import ModelConfig
+from engine.errors import UsageError
+
+_HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.-]+)):(?P<port>\d{1,5})$")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The parallel layout of one serving job (SGLang's flag names)."""
+
+    tp_size: int = 1
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+    ep_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: Optional[str] = None  # "HOST:PORT" of node 0's rendezvous, the same on every node
+    base_gpu_id: int = 0
+    dist_timeout: float = 600.0  # seconds: collectives and the rendezvous give up after this
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the torch.distributed world (one per GPU). DP attention and EP split the
+        same TP world differently, so they do not add ranks."""
+        return self.tp_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def global_rank(self, local_rank: int) -> int:
+        """World rank of this node's local rank `local_rank` (node 0 holds ranks 0..ranks_per_node-1)."""
+        if not 0 <= local_rank < self.ranks_per_node:
+            raise ValueError(f"local rank {local_rank} out of range for {self.ranks_per_node} ranks per node")
+        return self.node_rank * self.ranks_per_node + local_rank
+
+    def gpu_id(self, local_rank: int) -> int:
+        return self.base_gpu_id + local_rank
+
+    def host_port(self) -> tuple[str, int]:
+        """(host, port) of --dist-init-addr (UsageError when absent or malformed)."""
+        if self.dist_init_addr is None:
+            raise UsageError("no --dist-init-addr: give HOST:PORT of node 0 (e.g. --dist-init-addr 10.0.0.1:5000)")
+        return parse_host_port(self.dist_init_addr)
+
+    def init_method(self) -> str:
+        """The torch.distributed rendezvous URL, "tcp://HOST:PORT"."""
+        host, port = self.host_port()
+        return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+    def validate(self, device_type: str = "cpu", visible_gpus: Optional[int] = None) -> None:
+        """Reject bad values and combinations; `visible_gpus` is this node's CUDA device count."""
+        for flag, value in (("--tp-size", self.tp_size), ("--dp-size", self.dp_size),
+                            ("--ep-size", self.ep_size), ("--nnodes", self.nnodes)):
+            if value < 1:
+                raise UsageError(f"{flag} must be >= 1 (got {value})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes}): "
+                             "number the nodes 0, 1, ... with node 0 serving HTTP")
+        if self.base_gpu_id < 0:
+            raise UsageError(f"--base-gpu-id must be >= 0 (got {self.base_gpu_id})")
+        if not self.dist_timeout > 0:
+            raise UsageError(f"--dist-timeout must be a positive number of seconds (got {self.dist_timeout})")
+        if self.dist_init_addr is not None:
+            parse_host_port(self.dist_init_addr)
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise UsageError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT: node 0's address, "
+                             "the same on every node (e.g. --dist-init-addr 10.0.0.1:5000)")
+        if self.world_size % self.nnodes:
+            raise UsageError(f"--tp {self.tp_size} ranks cannot be spread evenly over --nnodes {self.nnodes}: "
+                             f"use a TP size that is a multiple of {self.nnodes}")
+        self._validate_dp_ep()
+        if device_type == "cuda" and visible_gpus is not None:
+            need = self.base_gpu_id + self.ranks_per_node
+            if need > visible_gpus:
+                raise UsageError(
+                    f"--tp {self.tp_size} over --nnodes {self.nnodes} puts {self.ranks_per_node} ranks on this node "
+                    f"(GPUs {self.base_gpu_id}..{need - 1}) but {visible_gpus} GPU(s) are visible: "
+                    f"use --tp {max(1, visible_gpus - self.base_gpu_id) * self.nnodes} or more nodes (--nnodes)")
+
+    def _validate_dp_ep(self) -> None:
+        if self.enable_dp_attention:
+            if self.dp_size < 2 or self.tp_size % self.dp_size:
+                raise UsageError(f"--enable-dp-attention needs --dp-size >= 2 dividing --tp {self.tp_size} "
+                                 f"(got --dp-size {self.dp_size})")
+            raise UsageError("--enable-dp-attention arrives with DP attention (Parallelism II); "
+                             "use --tp alone for now")
+        if self.dp_size > 1:
+            raise UsageError(f"--dp-size {self.dp_size} arrives with DP attention (Parallelism II); "
+                             "use --tp alone for now")
+        if self.ep_size > 1:
+            if self.ep_size != self.tp_size:
+                raise UsageError(f"--ep-size {self.ep_size} must equal --tp {self.tp_size} (experts are spread "
+                                 "over the TP ranks)")
+            raise UsageError("--ep-size / --enable-ep-moe arrive with expert parallelism (Parallelism II); "
+                             "use --tp alone for now")
+
+
+def parse_host_port(addr: str) -> tuple[str, int]:
+    """"HOST:PORT" (or "[IPv6]:PORT") -> (host, port); UsageError with an example otherwise."""
+    m = _HOST_PORT.match(addr.strip())
+    port = int(m.group("port")) if m else 0
+    if not m or not 0 < port < 65536:
+        raise UsageError(f"--dist-init-addr {addr!r} is not HOST:PORT with a port in 1..65535 "
+                         "(e.g. --dist-init-addr 10.0.0.1:5000)")
+    return m.group("v6") or m.group("host"), port
+
+
+# ---------------------------------------------------------------------------- model checks
+
+
+@dataclass(frozen=True)
+class SplitDim:
+    """One dimension that TP cuts: `full` elements split into tp slices."""
+
+    what: str  # shown to the user: tensor name and dimension
+    full: int
+    block: Optional[int] = None  # FP8 block along this dim (None: not FP8, or dequantised)
+    whole_blocks: bool = False  # FP8 slices must be whole blocks (routed-expert w13)
+
+
+def split_dims(cfg: ModelConfig, fp8_block: Optional[tuple[int, int]] = None) -> list[SplitDim]:
+    """Every dimension TP splits in this model, with the FP8 block constraints that apply.
+
+    `fp8_block` is the block of weights kept FP8 (None when they are dequantised). Slices of an
+    FP8 checkpoint must not straddle blocks; weights quantised at load (--quantization fp8 on a
+    bf16 checkpoint) are quantised per rank, so only the w13 whole-block rule applies to them.
+    """
+    bn, bk = fp8_block if fp8_block else (None, None)
+    if cfg.fp8 is None:
+        bn_ckpt = bk_ckpt = None
+    else:
+        bn_ckpt, bk_ckpt = bn, bk
+    heads = cfg.num_attention_heads
+    out = [SplitDim("num_attention_heads (MLA is split by heads)", heads),
+           SplitDim("vocab_size (embed_tokens / lm_head rows; vocab padding is not implemented)", cfg.vocab_size)]
+    q = "q_b_proj" if cfg.q_lora_rank else "q_proj"
+    out += [SplitDim(f"self_attn.{q} rows (heads x {cfg.qk_head_dim})", heads * cfg.qk_head_dim, bn_ckpt),
+            SplitDim(f"self_attn.kv_b_proj rows (heads x {cfg.qk_nope_head_dim + cfg.v_head_dim})",
+                     heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bn_ckpt),
+            SplitDim(f"self_attn.o_proj columns (heads x {cfg.v_head_dim})", heads * cfg.v_head_dim, bk_ckpt)]
+    layers = range(cfg.num_hidden_layers)
+    if any(not cfg.is_moe_layer(i) for i in layers):
+        inter = cfg.intermediate_size
+        out += [SplitDim("intermediate_size (dense mlp.gate_proj / up_proj rows)", inter, bn_ckpt),
+                SplitDim("intermediate_size (dense mlp.down_proj columns)", inter, bk_ckpt)]
+    if cfg.n_routed_experts and any(cfg.is_moe_layer(i) for i in layers):
+        n = cfg.moe_intermediate_size
+        out += [SplitDim("moe_intermediate_size (mlp.experts.*.gate_proj / up_proj rows, stacked in w13)",
+                         n, bn, whole_blocks=True),
+                SplitDim("moe_intermediate_size (mlp.experts.*.down_proj columns)", n, bk_ckpt)]
+        if cfg.n_shared_experts:
+            shared = cfg.n_shared_experts * n
+            out += [SplitDim("n_shared_experts x moe_intermediate_size (mlp.shared_experts gate/up rows)",
+                             shared, bn_ckpt),
+                    SplitDim("n_shared_experts x moe_intermediate_size (mlp.shared_experts.down_proj columns)",
+                             shared, bk_ckpt)]
+    return out
+
+
+def split_problem(dim: SplitDim, tp_size: int) -> Optional[str]:
+    """Why `dim` cannot be split tp_size ways, or None when it can."""
+    if dim.full % tp_size:
+        return f"does not divide {dim.what} = {dim.full}"
+    if dim.block is None:
+        return None
+    per = dim.full // tp_size
+    if dim.whole_blocks:
+        if per % dim.block:
+            return (f"gives {dim.what} {dim.full} / {tp_size} = {per} per rank, not a multiple of the "
+                    f"{dim.block}-wide FP8 block that the fused MoE kernel needs")
+        return None
+    for r in range(tp_size):
+        start, end = r * per, (r + 1) * per - 1
+        if start % dim.block and start // dim.block != end // dim.block:
+            return (f"gives {dim.what} {dim.full} / {tp_size} = {per} per rank: rank {r}'s slice "
+                    f"[{start}, {end + 1}) straddles a {dim.block}-wide FP8 block")
+    return None
+
+
+def working_tp_sizes(cfg: ModelConfig, fp8_block: Optional[tuple[int, int]] = None,
+                     limit: Optional[int] = None) -> list[int]:
+    """TP sizes (up to `limit`, default the head count) that split this model cleanly."""
+    dims = split_dims(cfg, fp8_block)
+    top = limit or cfg.num_attention_heads
+    return [t for t in range(1, top + 1) if all(split_problem(d, t) is None for d in dims)]
+
+
+def check_model_divisible(cfg: ModelConfig, tp_size: int, fp8_block: Optional[tuple[int, int]] = None) -> None:
+    """UsageError when --tp `tp_size` does not split this model's heads, intermediate sizes, vocab or
+    (with `fp8_block`, FP8 weights kept FP8) its 128 x 128 FP8 blocks cleanly."""
+    for dim in split_dims(cfg, fp8_block):
+        why = split_problem(dim, tp_size)
+        if why is None:
+            continue
+        ok = working_tp_sizes(cfg, fp8_block)
+        hint = f"TP sizes that work for this model: {', '.join(map(str, ok))}"
+        if dim.block is not None and dim.full % tp_size == 0:  # only the FP8 blocks are in the way
+            hint += (" (or --quantization none to dequantise the FP8 weights at load)" if cfg.fp8 is not None
+                     else " (or drop --quantization fp8)")
+        raise UsageError(f"--tp {tp_size} {why}; {hint}")

@@ -1,0 +1,69 @@
+"""Rank bodies for the multi-process collective tests (gloo on CPU). Each rank checks its own results
+against values it computes locally from every rank's seed, and raises on a mismatch: the supervisor
+then reports that rank and its assertion."""
+
+import torch
+
+
+def _rand(seed: int, *shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def comm_checks(local_rank: int, pc) -> None:
+    import torch.nn.functional as F
+
+    from engine.distributed import comm
+    from engine.distributed.groups import init_parallel
+    from engine.weights.sharding import shard_spec
+
+    state = init_parallel(pc, local_rank, "cpu")
+    g = state.tp
+    r, n = g.rank, g.size
+    assert (state.world_rank, state.world_size, state.backend) == (pc.global_rank(local_rank), n, "gloo")
+    assert g.ranks == tuple(range(n)) and r == state.world_rank
+
+    # all_reduce: sum in place
+    x = _rand(100 + r, 3, 5)
+    assert comm.all_reduce(x, g) is x
+    torch.testing.assert_close(x, sum(_rand(100 + q, 3, 5) for q in range(n)))
+
+    # all_gather along the last dim, rank order, 2-D and 3-D
+    for shape in ((2, 3), (2, 4, 3)):
+        got = comm.all_gather_last_dim(_rand(200 + r, *shape), g)
+        assert torch.equal(got, torch.cat([_rand(200 + q, *shape) for q in range(n)], dim=-1)), shape
+
+    # vocab-parallel lm_head: each rank's logits slice, gathered == the full product
+    h, vocab = 8, 4 * n
+    w, hid = _rand(7, vocab, h), _rand(8, 3, h)
+    spec = shard_spec("lm_head", w.shape, r, n)
+    torch.testing.assert_close(comm.all_gather_last_dim(F.linear(hid, spec.apply(w)), g), F.linear(hid, w))
+    # row-parallel o_proj: partial products summed == the full product
+    wo, v = _rand(9, h, 2 * n), _rand(10, 3, 2 * n)
+    spec = shard_spec("layers.0.self_attn.o_proj.weight", wo.shape, r, n)
+    out = comm.all_reduce(F.linear(spec.apply(v), spec.apply(wo)), g)
+    torch.testing.assert_close(out, F.linear(v, wo), rtol=1e-5, atol=1e-5)
+
+    # objects from the last rank (a scheduler message), tensors from rank 1 (sampled ids)
+    src = n - 1
+    msg = comm.broadcast_object({"step": 7, "from": r, "ids": [r] * 3} if r == src else None, src, g)
+    assert msg == {"step": 7, "from": src, "ids": [src] * 3}
+    ids = torch.full((4,), 10 * r, dtype=torch.int64)
+    assert comm.broadcast_tensor(ids, 1, g) is ids and ids.tolist() == [10] * 4
+
+    # every rank proposes a KV pool size; all agree on the smallest
+    proposals = [5000 - 300 * ((q * 7) % n) for q in range(n)]
+    assert comm.all_reduce_min_int(proposals[r], g) == min(proposals)
+    comm.barrier(g)
+    state.destroy()
+    assert not torch.distributed.is_initialized()
+
+
+def fail_in_collective(local_rank: int, pc) -> None:
+    """Rank 1 raises before the all-reduce its peers are blocked in."""
+    from engine.distributed import comm
+    from engine.distributed.groups import init_parallel
+
+    state = init_parallel(pc, local_rank, "cpu")
+    if state.world_rank == 1:
+        raise RuntimeError("rank 1 ran out of memory (simulated)")
+    comm.all_reduce(torch.ones(3), state.tp)
