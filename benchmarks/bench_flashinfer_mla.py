@@ -26,8 +26,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_mla import (DEV, FP8, LKV, ROPE, SM_SCALE, DecodeCase, bench_graph, decode_bytes,  # noqa: E402
-                       measure_ceilings, rel_err, time_decode)
+from bench_mla import (  # noqa: E402
+    DEV,
+    FP8,
+    LKV,
+    ROPE,
+    SM_SCALE,
+    DecodeCase,
+    bench_graph,
+    decode_bytes,
+    measure_ceilings,
+    rel_err,
+    time_decode,
+)
+
 from kernels.mla_decode import default_config, mla_decode_ref  # noqa: E402
 
 FI_BACKENDS = ("fa2", "fa3")
@@ -75,8 +87,8 @@ def plan_overhead(batches=(1, 32, 128), ctx=4096, reps=50) -> list[dict]:
 
     from engine.forward_batch import ForwardBatch, ForwardMode
     from engine.memory.pools import ReqToTokenPool
-    from engine.model.attention import AttentionContext
     from engine.model.attention_flashinfer import FlashInferAttentionBackend
+    from engine.model.context import ForwardContext
 
     rows = []
     for bs in batches:
@@ -84,7 +96,7 @@ def plan_overhead(batches=(1, 32, 128), ctx=4096, reps=50) -> list[dict]:
         table.table[:bs, :ctx] = torch.randperm(bs * ctx, device=DEV).view(bs, ctx).to(torch.int32) + 1
         backend = FlashInferAttentionBackend(128, LKV, ROPE, SM_SCALE, torch.bfloat16, torch.bfloat16, 1.0,
                                              torch.device(DEV), ctx + 1, max_graph_bs=bs)
-        ctx_ = AttentionContext(None, table, None, backend)
+        ctx_ = ForwardContext(None, table, None, backend, moe_backend=None)
 
         def batch(lens):
             return ForwardBatch.build(ForwardMode.DECODE, [0] * bs, list(range(bs)), [n - 1 for n in lens],

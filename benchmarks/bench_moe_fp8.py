@@ -36,13 +36,22 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from kernels.fp8 import (FP8_DTYPE, _CUBLAS_STATE, block_fp8_matmul, block_fp8_matmul_q,  # noqa: E402
-                         block_fp8_matmul_ref, cublas_block_fp8_supported, expand_block_scale, fp8_bmm, fp8_bmm_ref,
-                         per_token_group_quant_fp8, per_token_group_quant_fp8_ref)
+from kernels import tuned_configs as tc  # noqa: E402
+from kernels.fp8 import (  # noqa: E402
+    _CUBLAS_STATE,
+    block_fp8_matmul,
+    block_fp8_matmul_q,
+    block_fp8_matmul_ref,
+    cublas_block_fp8_supported,
+    fp8_bmm,
+    fp8_bmm_ref,
+    per_token_group_quant_fp8,
+    per_token_group_quant_fp8_ref,
+)
+from kernels.fp8_math import FP8_DTYPE, expand_block_scale  # noqa: E402
 from kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
 from kernels.moe_align import moe_align_block_size, moe_align_block_size_ref  # noqa: E402
 from kernels.moe_gate import moe_gate, moe_gate_ref  # noqa: E402
-from kernels import tuned_configs as tc  # noqa: E402
 
 E, HIDDEN, N_SHARD, TOP_K = 256, 7168, 256, 8
 MOE_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -178,7 +187,7 @@ def ceilings():
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
     bw = 2 * src.numel() * 4 / ms / 1e6  # GB/s
-    del src, dst
+    src = dst = None  # free the memory (the lambdas above still name them)
     a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
@@ -388,7 +397,7 @@ def bench_moe(ceil, quick):
             log(f"  T={t:4d} experts={touched:6.1f} floor={floor_us:7.1f}us default={default_us:7.1f}us "
                 f"best={best_us:7.1f}us ({row['pct_floor']:5.1f}% of floor, {row['gbps']:.0f} GB/s) "
                 f"eager={eager_us:7.1f}us best={json.dumps(best, separators=(',', ':'))}")
-        del w13, w2, s13, s2
+        w13 = w2 = s13 = s2 = None  # free the memory (the lambdas above still name them)
         torch.cuda.empty_cache()
     return rows, best_cfgs
 
@@ -431,7 +440,7 @@ def bench_gemm(ceil, quick):
             log(f"  {name:24s} M={m:5d} bf16={bf16_us:8.1f}us fp8 default={default_us:8.1f} best={best_us:8.1f} "
                 f"(gemm only {gemm_only_us:8.1f}) floor={floor_us:7.1f} speedup={row['speedup']:.2f}x "
                 f"{row['tflops']:.0f} TFLOP/s best={json.dumps(best, separators=(',', ':'))}")
-        del ws, wb
+        ws = wb = None  # free the memory (the lambdas above still name them)
         torch.cuda.empty_cache()
     return rows, best_cfgs
 

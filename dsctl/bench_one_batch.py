@@ -1,9 +1,12 @@
 """`dsctl bench one-batch`: latency of one static batch through the model runner (no HTTP, no scheduler).
 
-For each batch size: prefill `input_len` random tokens per request, then decode
-`output_len - 1` steps greedily, timing each forward with a device sync. Reports
-prefill latency/throughput, median decode latency/throughput and the total, as a
-rich table and as JSON lines. `--profile` writes a torch profiler trace.
+For each batch size and prompt/output length: one untimed warm-up run of exactly
+that shape (first-use compilation, autotuning and CUDA-graph replays happen
+there), then `repeats` timed runs. A run prefills `input_len` random tokens per
+request, then decodes `output_len - 1` steps greedily, timing each forward with a
+device sync. Reports medians with their spread (prefill min-max over repeats,
+decode p10-p90 over every step), as a rich table that fits the terminal and as
+JSON lines. `--profile` writes a torch profiler trace of one extra run per shape.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 
 @dataclass
@@ -21,12 +24,36 @@ class OneBatchResult:
     batch_size: int
     input_len: int
     output_len: int
-    prefill_latency_s: float
+    repeats: int
+    prefill_latency_s: float  # median over repeats
+    prefill_latency_min_s: float
+    prefill_latency_max_s: float
     prefill_throughput_tok_s: float
-    median_decode_latency_s: float
+    median_decode_latency_s: float  # median over every decode step of every repeat
+    decode_latency_p10_s: float
+    decode_latency_p90_s: float
     median_decode_throughput_tok_s: float
-    total_latency_s: float
+    total_latency_s: float  # median over repeats
     overall_throughput_tok_s: float
+
+
+@dataclass
+class RunTimes:
+    prefill_s: float
+    decode_s: list[float]
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + sum(self.decode_s)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated q-th percentile (0..100) of a non-empty sequence."""
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
 def _sync(device) -> None:
@@ -36,7 +63,8 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_batch(runner, bs: int, input_len: int, output_len: int, seed: int) -> OneBatchResult:
+def _run_batch(runner, bs: int, input_len: int, output_len: int, seed: int) -> RunTimes:
+    """One prefill of bs x input_len random tokens, then output_len - 1 greedy decode steps, timed."""
     import torch
 
     from engine.forward_batch import ForwardBatch, ForwardMode
@@ -76,70 +104,114 @@ def _run_batch(runner, bs: int, input_len: int, output_len: int, seed: int) -> O
         runner.kv_pool.free(slots.flatten())
         for r in rows:
             runner.req_to_token.free(r)
-    med = statistics.median(decode_times) if decode_times else float("nan")
-    total = prefill + sum(decode_times)
+    return RunTimes(prefill, decode_times)
+
+
+def summarize(bs: int, input_len: int, output_len: int, runs: list[RunTimes]) -> OneBatchResult:
+    prefills = [r.prefill_s for r in runs]
+    steps = [t for r in runs for t in r.decode_s]
+    prefill = statistics.median(prefills)
+    total = statistics.median(r.total_s for r in runs)
+    nan = float("nan")
+    decode = statistics.median(steps) if steps else nan
     return OneBatchResult(
-        batch_size=bs, input_len=input_len, output_len=output_len,
-        prefill_latency_s=prefill, prefill_throughput_tok_s=bs * input_len / prefill,
-        median_decode_latency_s=med, median_decode_throughput_tok_s=bs / med if decode_times else float("nan"),
+        batch_size=bs, input_len=input_len, output_len=output_len, repeats=len(runs),
+        prefill_latency_s=prefill, prefill_latency_min_s=min(prefills), prefill_latency_max_s=max(prefills),
+        prefill_throughput_tok_s=bs * input_len / prefill,
+        median_decode_latency_s=decode,
+        decode_latency_p10_s=percentile(steps, 10) if steps else nan,
+        decode_latency_p90_s=percentile(steps, 90) if steps else nan,
+        median_decode_throughput_tok_s=bs / decode if steps else nan,
         total_latency_s=total, overall_throughput_tok_s=bs * (input_len + output_len) / total,
     )
 
 
-def run_one_batch(args, batch_sizes: list[int], input_len: int, output_len: int,
-                  result_file: Optional[Path], profile: Optional[Path]) -> list[OneBatchResult]:
+def _as_list(x: Union[int, Sequence[int]]) -> list[int]:
+    return [x] if isinstance(x, int) else list(x)
+
+
+def _shapes(batch_sizes, input_lens, output_lens) -> list[tuple[int, int, int]]:
+    return [(b, i, o) for i in input_lens for o in output_lens for b in batch_sizes]
+
+
+def _progress():
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True)
+
+
+@dataclass
+class OneBatchRun:
+    results: list[OneBatchResult]
+    context: str  # model, layers, device, dtype: for the table title
+
+
+def run_one_batch(args, batch_sizes: list[int], input_len: Union[int, Sequence[int]],
+                  output_len: Union[int, Sequence[int]], result_file: Optional[Path], profile: Optional[Path],
+                  repeats: int = 3) -> list[OneBatchResult]:
+    """Time every (batch size, input length, output length); see the module docstring."""
+    return bench(args, batch_sizes, input_len, output_len, result_file, profile, repeats).results
+
+
+def bench(args, batch_sizes: list[int], input_len: Union[int, Sequence[int]], output_len: Union[int, Sequence[int]],
+          result_file: Optional[Path] = None, profile: Optional[Path] = None, repeats: int = 3) -> OneBatchRun:
     from engine.errors import UsageError
     from engine.runner import ModelRunner
 
-    if input_len < 1 or output_len < 1 or any(b < 1 for b in batch_sizes):
-        raise UsageError("--batch-size, --input-len and --output-len must all be >= 1")
-    need = max(batch_sizes) * (input_len + output_len)
+    input_lens, output_lens = _as_list(input_len), _as_list(output_len)
+    if min(input_lens + output_lens + list(batch_sizes)) < 1 or repeats < 1:
+        raise UsageError("--batch-size, --input-len, --output-len and --repeats must all be >= 1")
+    longest = max(input_lens) + max(output_lens)
     if args.max_total_tokens is None:
-        args = args.replace(max_total_tokens=need)
+        args = args.replace(max_total_tokens=max(batch_sizes) * longest)
     if args.max_model_len is None:
-        args = args.replace(max_model_len=input_len + output_len)
+        args = args.replace(max_model_len=longest)
     args = args.replace(max_running_requests=max(args.max_running_requests, max(batch_sizes)))
     runner = ModelRunner(args)
-    _run_batch(runner, min(batch_sizes), min(input_len, 16), 2, args.seed)  # warm-up
+    shapes = _shapes(batch_sizes, input_lens, output_lens)
     results = []
-    for bs in batch_sizes:
-        if profile is not None:
-            results.append(_profiled(runner, bs, input_len, output_len, args.seed, profile))
-        else:
-            results.append(_run_batch(runner, bs, input_len, output_len, args.seed))
+    with _progress() as progress:
+        task = progress.add_task("bench one-batch", total=len(shapes) * (1 + repeats))
+        for bs, ilen, olen in shapes:
+            name = f"batch {bs}, in {ilen}, out {olen}"
+            progress.update(task, description=f"{name}: warm-up")
+            _run_batch(runner, bs, ilen, olen, args.seed)  # untimed: compiles and captures this shape
+            progress.advance(task)
+            runs = []
+            for k in range(repeats):
+                progress.update(task, description=f"{name}: run {k + 1}/{repeats}")
+                runs.append(_run_batch(runner, bs, ilen, olen, args.seed + 1 + k))
+                progress.advance(task)
+            if profile is not None:
+                _profiled(runner, bs, ilen, olen, args.seed, profile)
+            results.append(summarize(bs, ilen, olen, runs))
+    meta = _meta(args, runner)
     if result_file is not None:
-        with open(result_file, "a") as f:
-            for r in results:
-                f.write(json.dumps({"model": args.model, "load_format": args.load_format, "num_layers": runner.num_layers,
-                                    "device": str(runner.device), "dtype": str(runner.dtype).replace("torch.", ""),
-                                    "timestamp": time.time(), **asdict(r)}) + "\n")
-    return results
+        _write_results(result_file, meta, results)
+    context = f"{meta['model']}, {meta['num_layers']} layers, {meta['device']} {meta['dtype']}"
+    return OneBatchRun(results, context)
 
 
-def _profiled(runner, bs, input_len, output_len, seed, profile: Path) -> OneBatchResult:
+def _meta(args, runner) -> dict:
+    return {"model": args.model, "load_format": args.load_format, "num_layers": runner.num_layers,
+            "device": str(runner.device), "dtype": str(runner.dtype).replace("torch.", "")}
+
+
+def _write_results(result_file: Path, meta: dict, results: list[OneBatchResult]) -> None:
+    with open(result_file, "a") as f:
+        for r in results:
+            f.write(json.dumps({**meta, "timestamp": time.time(), **asdict(r)}) + "\n")
+
+
+def _profiled(runner, bs, input_len, output_len, seed, profile: Path) -> None:
     import torch
 
     acts = [torch.profiler.ProfilerActivity.CPU]
     if runner.device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
-        res = _run_batch(runner, bs, input_len, output_len, seed)
-    path = profile.with_name(f"{profile.stem}-bs{bs}{profile.suffix or '.json'}")
+        _run_batch(runner, bs, input_len, output_len, seed)
+    path = profile.with_name(f"{profile.stem}-bs{bs}-in{input_len}-out{output_len}{profile.suffix or '.json'}")
     prof.export_chrome_trace(str(path))
-    return res
-
-
-def print_table(results: list[OneBatchResult]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="bench one-batch")
-    for col in ("batch", "in", "out", "prefill ms", "prefill tok/s", "decode ms (median)", "decode tok/s",
-                "total s", "overall tok/s"):
-        table.add_column(col, justify="right")
-    for r in results:
-        table.add_row(str(r.batch_size), str(r.input_len), str(r.output_len), f"{r.prefill_latency_s * 1e3:.2f}",
-                      f"{r.prefill_throughput_tok_s:.1f}", f"{r.median_decode_latency_s * 1e3:.3f}",
-                      f"{r.median_decode_throughput_tok_s:.1f}", f"{r.total_latency_s:.3f}",
-                      f"{r.overall_throughput_tok_s:.1f}")
-    Console().print(table)

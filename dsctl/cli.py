@@ -29,8 +29,11 @@ COMMAND_MODULES = ("cmd_models", "cmd_generate", "cmd_download", "cmd_tune", "cm
 def _register() -> None:
     import importlib
 
+    from dsctl.help_format import use_help_format
+
     for name in COMMAND_MODULES:
         importlib.import_module(f"dsctl.{name}").register(app)
+    use_help_format(app)
 
 
 _register()

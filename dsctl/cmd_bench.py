@@ -1,8 +1,10 @@
-"""`dsctl bench`: benchmarks. `bench serving` loads any OpenAI-compatible server;
-`bench one-batch` times one static batch through the model runner.
+"""`dsctl bench`: benchmarks. `bench one-batch` (also plain `bench`) times one static batch
+through the model runner; `bench offline` measures the Engine; `bench ablation` runs SGLang's
+ablation grid, one `bench offline` process per row; `bench serving` loads any OpenAI-compatible
+server.
 
-Only flag parsing lives here; the logic is in dsctl/bench_serving/ and
-dsctl/bench_one_batch.py.
+Only flag parsing lives here; the logic is in dsctl/bench_one_batch.py, bench_offline.py,
+bench_ablation.py (+ ablation_grid.py, ablation_report.py) and dsctl/bench_serving/.
 """
 
 from __future__ import annotations
@@ -12,11 +14,111 @@ from typing import List, Optional
 
 import typer
 
-from dsctl.flags import engine_command
-from engine.args import GPU, MODEL, EngineArgs
+from dsctl.flags import engine_command, non_server_groups
+from dsctl.help_format import DefaultCommandGroup
+from engine.args import EngineArgs
 
-bench_app = typer.Typer(help="Benchmarks: `serving` (any OpenAI-compatible server), `one-batch` (model runner).",
-                        no_args_is_help=True)
+
+class BenchGroup(DefaultCommandGroup):
+    default_command = "one-batch"
+
+
+bench_app = typer.Typer(
+    cls=BenchGroup,
+    help="Benchmarks. Without a sub-command, `one-batch`: `dsctl bench --batch-size 1 8` is "
+         "`dsctl bench one-batch --batch-size 1 8` (see `dsctl bench one-batch --help`).",
+)
+
+
+@bench_app.command("one-batch")
+@engine_command(*non_server_groups())
+def one_batch(
+    args: EngineArgs,
+    batch_size: List[int] = typer.Option([1], "--batch-size", metavar="<int>...",
+                                         help="Batch sizes (e.g. --batch-size 1 8 32)."),
+    input_len: List[int] = typer.Option([256], "--input-len", metavar="<int>...",
+                                        help="Prompt tokens per request (several: every one is run)."),
+    output_len: List[int] = typer.Option([32], "--output-len", metavar="<int>...",
+                                         help="Generated tokens per request, the first included (several: every "
+                                              "one is run)."),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Timed runs per shape, after one untimed warm-up; "
+                                "the table shows medians and their spread."),
+    result_file: Optional[Path] = typer.Option(None, "--result-file", help="Append one JSON line per shape."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Write a torch profiler trace (chrome JSON) of "
+                                           "one extra run per shape."),
+) -> None:
+    """Prefill and decode latency/throughput of one static batch per shape (no HTTP, no scheduler)."""
+    from dsctl.bench_one_batch import bench
+    from dsctl.bench_one_batch_report import print_table
+
+    run = bench(args, list(batch_size), list(input_len), list(output_len), result_file, profile, repeats)
+    print_table(run.results, run.context)
+
+
+_LEN_HELP = "(default: {cpu} on CPU, {cuda} on CUDA)."
+
+
+def _len_help(what: str, key: str) -> str:
+    from dsctl.bench_offline import CPU_DEFAULTS, CUDA_DEFAULTS
+
+    return f"{what} " + _LEN_HELP.format(cpu=CPU_DEFAULTS[key], cuda=CUDA_DEFAULTS[key])
+
+
+@bench_app.command("offline")
+@engine_command(*non_server_groups())
+def offline(
+    args: EngineArgs,
+    input_len: Optional[int] = typer.Option(None, "--input-len", help=_len_help("Prompt tokens.", "input_len")),
+    output_len: Optional[int] = typer.Option(None, "--output-len",
+                                             help=_len_help("Output tokens per request.", "output_len")),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency",
+                                              help=_len_help("Requests generated together.", "concurrency")),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="Timed runs (after one warm-up); medians are shown."),
+    result_file: Optional[Path] = typer.Option(None, "--result-file", help="Append one JSON line of results."),
+) -> None:
+    """Engine throughput without HTTP: decode tok/s at batch 1 and output tok/s at a concurrency."""
+    from dsctl.bench_offline import print_result, run_offline, write_result
+
+    result = run_offline(args, input_len, output_len, concurrency, repeats)
+    if result_file is not None:
+        write_result(result_file, result)
+    print_result(result)
+
+
+@bench_app.command("ablation")
+@engine_command(*non_server_groups())
+def ablation(
+    args: EngineArgs,
+    input_len: Optional[int] = typer.Option(None, "--input-len", help=_len_help("Prompt tokens.", "input_len")),
+    output_len: Optional[int] = typer.Option(None, "--output-len",
+                                             help=_len_help("Output tokens per request.", "output_len")),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", help=_len_help(
+        "Requests generated together for the output tok/s column.", "concurrency")),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="Timed runs per row (medians are shown)."),
+    out_dir: Path = typer.Option(Path("bench-ablation"), "--out-dir",
+                                 help="Where ablation.jsonl, ablation.png and each row's log go (rewritten)."),
+    row_timeout: float = typer.Option(1800.0, "--row-timeout", help="Seconds before a row is stopped (❌)."),
+) -> None:
+    """SGLang's DeepSeek ablation table on this machine: each optimisation on/off (where its flag exists),
+    every row in its own process; runnable, decode tok/s at batch 1, output tok/s at a concurrency."""
+    from rich.console import Console
+
+    from dsctl.ablation_grid import available_features, make_rows
+    from dsctl.ablation_report import print_table, title, write_jsonl, write_png
+    from dsctl.bench_ablation import Settings, run_ablation
+
+    args.validate()
+    settings = Settings(input_len, output_len, concurrency, repeats, row_timeout, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = make_rows(args, base_label="baseline")
+    console = Console()
+    console.print(f"bench ablation: {len(rows)} configurations of {args.model}, one process each", markup=False)
+    results = run_ablation(rows, settings)
+    print_table(results, available_features(), args.model, console)
+    write_jsonl(out_dir / "ablation.jsonl", results)
+    skipped = write_png(out_dir / "ablation.png", results, title(results, args.model))
+    console.print(f"wrote {out_dir / 'ablation.jsonl'}" + (f"; PNG skipped: {skipped}" if skipped else
+                                                          f" and {out_dir / 'ablation.png'}"), markup=False)
 
 
 @bench_app.command("serving")
@@ -58,22 +160,6 @@ def serving(
 
     opts = ServingOptions(**{k: v for k, v in locals().items() if k in ServingOptions.__dataclass_fields__})
     run_serving(opts, Console(highlight=False))
-
-
-@bench_app.command("one-batch")
-@engine_command(MODEL, GPU)
-def one_batch(
-    args: EngineArgs,
-    batch_size: List[int] = typer.Option([1], "--batch-size", help="Batch sizes (e.g. --batch-size 1 8 32)."),
-    input_len: int = typer.Option(256, "--input-len", help="Prompt tokens per request."),
-    output_len: int = typer.Option(32, "--output-len", help="Generated tokens per request (incl. the first)."),
-    result_file: Optional[Path] = typer.Option(None, "--result-file", help="Append one JSON line per batch size."),
-    profile: Optional[Path] = typer.Option(None, "--profile", help="Write a torch profiler trace (chrome JSON)."),
-) -> None:
-    """Prefill and decode latency/throughput of one batch, per batch size (no HTTP, no scheduler)."""
-    from dsctl.bench_one_batch import print_table, run_one_batch
-
-    print_table(run_one_batch(args, list(batch_size), input_len, output_len, result_file, profile))
 
 
 def register(app: typer.Typer) -> None:

@@ -1,28 +1,80 @@
-"""`dsctl models`: list the registry (alias, hub repo id, shape summary)."""
+"""`dsctl models`: list the registry (alias, hub repo id, shape summary).
+
+Three layouts, widest first (dsctl/tables.py picks the one that fits): one column
+per field; alias + repo id + one wrapping "shape and notes" column; and, on narrow
+terminals (80 columns), alias + one wrapping column holding the repo id, the shape
+and the notes on separate lines.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import typer
 
 
-def models() -> None:
-    from rich.console import Console
-    from rich.table import Table
+@dataclass
+class _Row:
+    alias: str
+    repo: str
+    layers: str
+    hidden: str
+    experts: str
+    weights: str
+    notes: str
 
+    @property
+    def shape(self) -> str:
+        experts = self.experts.replace(" (", " experts (", 1) if self.experts != "-" else "dense"
+        return f"{self.layers} layers, hidden {self.hidden}, {experts}, {self.weights}"
+
+
+def _rows() -> list[_Row]:
     from engine.config import parse_config
     from engine.models import MODELS
 
-    table = Table(title="Models dsctl knows")
-    for col in ("alias", "hub repo id"):
-        table.add_column(col, no_wrap=True)
-    for col in ("layers", "hidden", "experts (top-k)", "weights", "notes"):
-        table.add_column(col)
+    rows = []
     for entry in MODELS.values():
         cfg = parse_config(entry.config_dict())
-        experts = f"{cfg.n_routed_experts} ({cfg.num_experts_per_tok})" if cfg.n_routed_experts else "-"
-        table.add_row(entry.alias, entry.repo_id or "(built in)", str(cfg.num_hidden_layers), str(cfg.hidden_size),
-                      experts, "fp8 block" if cfg.fp8 else cfg.torch_dtype, entry.description)
-    Console().print(table)
+        experts = f"{cfg.n_routed_experts} (top-{cfg.num_experts_per_tok})" if cfg.n_routed_experts else "-"
+        rows.append(_Row(entry.alias, entry.repo_id or "(built in)", str(cfg.num_hidden_layers),
+                         str(cfg.hidden_size), experts, "fp8 block" if cfg.fp8 else cfg.torch_dtype,
+                         entry.description))
+    return rows
+
+
+def _layouts(rows: list[_Row]) -> list:
+    from rich.table import Table
+
+    title = "Models dsctl knows"
+    wide = Table(title=title)
+    for col in ("alias", "hub repo id", "layers", "hidden", "experts", "weights"):
+        wide.add_column(col, no_wrap=True)
+    wide.add_column("notes")
+    for r in rows:
+        wide.add_row(r.alias, r.repo, r.layers, r.hidden, r.experts, r.weights, r.notes)
+
+    medium = Table(title=title)
+    medium.add_column("alias", no_wrap=True)
+    medium.add_column("hub repo id", no_wrap=True)
+    medium.add_column("shape and notes")
+    for r in rows:
+        medium.add_row(r.alias, r.repo, f"{r.shape}; {r.notes}")
+
+    narrow = Table(title=title, show_lines=True)
+    narrow.add_column("alias", no_wrap=True)
+    narrow.add_column("hub repo id, shape, notes")
+    for r in rows:
+        narrow.add_row(r.alias, f"{r.repo}\n{r.shape}\n{r.notes}")
+    return [wide, medium, narrow]
+
+
+def models() -> None:
+    from rich.console import Console
+
+    from dsctl.tables import print_fitting
+
+    print_fitting(Console(), _layouts(_rows()))
 
 
 def register(app: typer.Typer) -> None:

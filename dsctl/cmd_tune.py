@@ -4,24 +4,29 @@ The shapes come from the model config and the parallel layout (tuning/shapes.py)
 gets one JSON file named as kernels/tuned_configs.py looks it up, written to --out-dir
 (default: $DSCTL_KERNEL_CONFIG_DIR if set, else the package's kernels/configs/: both are
 directories the look-up searches, so the engine uses the files with no further step).
---dry-run shows the plan without a GPU; --verify-exhaustive compares the staged search with
-the exhaustive one at a few batch sizes (tuning/verify.py).
+--model defaults to deepseek-v3 (the model operators tune for) and the first line names the
+model. Without a CUDA GPU both stop at once, unless --dry-run (shows the plan) or
+TRITON_INTERPRET=1 (runs the kernels in Triton's interpreter on CPU: tests only).
+--verify-exhaustive compares the staged search with the exhaustive one at a few batch
+sizes (tuning/verify.py). The options both commands share are defined once (TuneFlags).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from dsctl.option_sets import option, with_options
 from engine.errors import UsageError
 
-_MODEL_HELP = "Model alias (deepseek-v3, deepseek-r1, ...; see `dsctl models`) or a checkpoint directory."
-_BATCH_HELP = ("Comma-separated batch sizes (tokens per forward) "
-               "(default: SGLang's 1,2,4,8,16,24,32,48,64,96,128,256,512,1024,1536,2048,3072,4096).")
-_OUT_HELP = "Where to write the config files (default: $DSCTL_KERNEL_CONFIG_DIR, else the shipped kernels/configs/; both are searched by the engine)."
+_BATCH_HELP = ("Comma-separated batch sizes (tokens per forward), e.g. 1,64,4096 (default: SGLang's 1, 2, 4, 8, 16, "
+               "24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096).")
+_OUT_HELP = ("Where to write the config files (default: $DSCTL_KERNEL_CONFIG_DIR, else the shipped kernels/configs/; "
+             "both are searched by the engine).")
 _VERIFY_HELP = ("Run the exhaustive search (SGLang's full grid) at these batch sizes and compare it with the "
                 "staged search's pick (e.g. 8,256,2048; slow). Alone: only the comparison; with --batch-sizes: "
                 "after tuning those.")
@@ -66,11 +71,11 @@ def _out_dir(out_dir: Optional[Path]) -> Path:
     return Path(env).expanduser() if env else SHIPPED_DIR
 
 
-def _device(dry_run: bool) -> tuple[Optional[str], str]:
+def _device(dry_run: bool, command: str) -> tuple[Optional[str], str]:
     """(torch device, device name for file names); a one-line error without a GPU (unless dry run)."""
     import torch
 
-    from kernels.fp8 import interpreting
+    from kernels.interpret import interpreting
     from kernels.tuned_configs import device_name
     from tuning.errors import NoGpuError
 
@@ -80,8 +85,8 @@ def _device(dry_run: bool) -> tuple[Optional[str], str]:
         return None, "{GPU}"
     if interpreting():  # TRITON_INTERPRET=1: runs the kernels on CPU (slow; for tests)
         return "cpu", "cpu"
-    raise NoGpuError("no CUDA GPU found: tuning times the kernels on the GPU it tunes for, so run it on that "
-                     "machine (or add --dry-run to see the shapes and the search plan)")
+    raise NoGpuError(f"{command} needs a CUDA GPU (it times the kernels on the GPU it tunes for); "
+                     "`--dry-run` lists the shapes it would tune")
 
 
 def _check_writable(out: Path) -> None:
@@ -96,23 +101,24 @@ def _check_writable(out: Path) -> None:
 
 
 def _one_target(target, opts, device, console, precompiler, verify_sizes) -> None:
+    from dsctl.tables import print_fitting
     from tuning.runner import print_report, tune
 
     console.print(f"[bold]{target.title()}[/]")
     if opts.batch_sizes:
         report = tune(target, opts, device, console, precompiler)
-        print_report(report, console)
+        print_report(report, console, show=print_fitting)
     if verify_sizes:
         from tuning.verify import print_verify, verify
 
         vrep = verify(target, opts, verify_sizes, device, console, precompiler)
-        print_verify(vrep, console)
+        print_verify(vrep, console, show=print_fitting)
 
 
 def _run(targets: list, opts, device: Optional[str], dry_run: bool, verify_sizes: Optional[list[int]]) -> None:
     from rich.console import Console
 
-    from kernels.tuned_configs import config_dirs
+    from kernels.tuned_configs import ENV_DIR, config_dirs
     from tuning import search_space as ss
     from tuning.errors import TuneFailed
     from tuning.plan import plan, print_plans
@@ -153,7 +159,7 @@ def _run(targets: list, opts, device: Optional[str], dry_run: bool, verify_sizes
     finally:
         if precompiler is not None:
             precompiler.close()
-    found = [d.resolve() for d in config_dirs()]
+    found = [d.resolve() for d in config_dirs(os.environ.get(ENV_DIR))]
     if opts.out_dir.resolve() in found:
         console.print("the engine picks these files up automatically")
     else:
@@ -162,17 +168,16 @@ def _run(targets: list, opts, device: Optional[str], dry_run: bool, verify_sizes
         raise TuneFailed(f"{len(failed)} of {len(targets)} shape(s) failed: {'; '.join(failed)}")
 
 
-def _common(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, workers, grid, dry_run,
-            verify_exhaustive, report_dir):
-    device, name = _device(dry_run)
-    verify_sizes = _batch_list(verify_exhaustive, "--verify-exhaustive")
-    opts = _options(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, workers, name, grid, device)
-    opts.report_dir = report_dir
-    if verify_sizes and batch_sizes is None:  # --verify-exhaustive alone: only the comparison
-        opts.batch_sizes = []
-    if verify_sizes and exhaustive:
+def _common(opts: "TuneFlags", device: Optional[str], device_name: str):
+    verify_sizes = _batch_list(opts.verify_exhaustive, "--verify-exhaustive")
+    topts = _options(opts.batch_sizes, opts.out_dir, opts.resume, opts.exhaustive, opts.max_configs, opts.time_limit,
+                     opts.workers, device_name, opts.grid, device)
+    topts.report_dir = opts.report_dir
+    if verify_sizes and opts.batch_sizes is None:  # --verify-exhaustive alone: only the comparison
+        topts.batch_sizes = []
+    if verify_sizes and opts.exhaustive:
         raise UsageError("--verify-exhaustive compares the staged search with --exhaustive: use one of them")
-    return device, opts, verify_sizes
+    return topts, verify_sizes
 
 
 _RESUME_HELP = "Skip the batch sizes a killed run already finished (read back from its progress / config file)."
@@ -183,32 +188,62 @@ _TIME_HELP = "Seconds; start no batch size after this, per shape (finish later w
 _WORKERS_HELP = "Processes compiling kernels in parallel (default 0: one per CPU core, up to 16)."
 _REPORT_HELP = "Also write <config file stem>.results.json (per batch size: default / tuned us, speed-up) here."
 _GRID_HELP = "Search space: staged (default) or tiny (a few configs, for tests and interpreter smoke runs)."
+_DEFAULT_MODEL = "deepseek-v3"
+_MODEL_HELP = ("Model whose shapes to tune: a registry alias (deepseek-v3, deepseek-r1, ...; see `dsctl models`) "
+               "or a checkpoint directory.")
+_SEARCH = "Search options"
 
 
+@dataclass
+class TuneFlags:
+    """The options tune-moe and tune-fp8 share."""
+
+    model: str = option(_DEFAULT_MODEL, _MODEL_HELP)
+    tp: int = option(8, "Tensor-parallel size the model will be served with.")
+    batch_sizes: Optional[str] = option(None, _BATCH_HELP)
+    out_dir: Optional[Path] = option(None, _OUT_HELP)
+    dry_run: bool = option(False, _DRY_HELP)
+    resume: bool = option(False, _RESUME_HELP, panel=_SEARCH)
+    exhaustive: bool = option(False, _EXH_HELP, panel=_SEARCH)
+    verify_exhaustive: Optional[str] = option(None, _VERIFY_HELP, panel=_SEARCH)
+    max_configs: Optional[int] = option(None, _MAXC_HELP, panel=_SEARCH)
+    time_limit: Optional[float] = option(None, _TIME_HELP, panel=_SEARCH)
+    workers: int = option(0, _WORKERS_HELP, panel=_SEARCH)
+    report_dir: Optional[Path] = option(None, _REPORT_HELP, panel=_SEARCH)
+    grid: str = option("staged", _GRID_HELP, hidden=True)
+
+
+def _announce(command: str, opts: TuneFlags, cfg, extra: str = "") -> None:
+    """Say which model (and layout) is tuned: the default is DeepSeek-V3, which a user may not expect."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from engine.models import lookup
+
+    entry = lookup(opts.model)
+    name = f"{entry.alias} ({entry.repo_id or 'built in'})" if entry else str(opts.model)
+    experts = f", {cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}" if cfg.n_routed_experts else ""
+    default = "; the default, pass --model to tune another" if opts.model == _DEFAULT_MODEL else ""
+    Console(highlight=False).print(f"{command}: {escape(name)}: {cfg.num_hidden_layers} layers, hidden "
+                                   f"{cfg.hidden_size}{experts}, at TP {opts.tp}{extra}{default}")
+
+
+@with_options(TuneFlags)
 def tune_moe(
-    model: str = typer.Option(..., "--model", help=_MODEL_HELP),
-    tp: int = typer.Option(8, "--tp", help="Tensor-parallel size the model will be served with."),
+    opts: TuneFlags,
     ep: int = typer.Option(1, "--ep", help="Expert-parallel size (divides --tp; E = experts / ep)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Expert weights: fp8_w8a8 or bf16 (default: the checkpoint's)."),
-    batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help=_BATCH_HELP),
-    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help=_OUT_HELP),
-    resume: bool = typer.Option(False, "--resume", help=_RESUME_HELP),
-    dry_run: bool = typer.Option(False, "--dry-run", help=_DRY_HELP),
-    exhaustive: bool = typer.Option(False, "--exhaustive", help=_EXH_HELP),
-    verify_exhaustive: Optional[str] = typer.Option(None, "--verify-exhaustive", help=_VERIFY_HELP),
-    max_configs: Optional[int] = typer.Option(None, "--max-configs", help=_MAXC_HELP),
-    time_limit: Optional[float] = typer.Option(None, "--time-limit", help=_TIME_HELP),
-    workers: int = typer.Option(0, "--workers", help=_WORKERS_HELP),
-    report_dir: Optional[Path] = typer.Option(None, "--report-dir", help=_REPORT_HELP),
-    grid: str = typer.Option("staged", "--grid", help=_GRID_HELP, hidden=True),
+    dtype: Optional[str] = typer.Option(None, "--dtype",
+                                        help="Expert weights: fp8_w8a8 or bf16 (default: the checkpoint's)."),
 ) -> None:
+    device, name = _device(opts.dry_run, "tune-moe")
     from tuning.shapes import load_model_config, moe_shape
     from tuning.targets import MoETarget
 
-    shape = moe_shape(load_model_config(model), tp=tp, ep=ep, dtype=dtype)
-    device, opts, verify_sizes = _common(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, workers,
-                                         grid, dry_run, verify_exhaustive, report_dir)
-    _run([MoETarget(shape)], opts, device, dry_run, verify_sizes)
+    cfg = load_model_config(opts.model)
+    shape = moe_shape(cfg, tp=opts.tp, ep=ep, dtype=dtype)
+    topts, verify_sizes = _common(opts, device, name)
+    _announce("tune-moe", opts, cfg, f", EP {ep}" if ep != 1 else "")
+    _run([MoETarget(shape)], topts, device, opts.dry_run, verify_sizes)
 
 
 def _parse_shapes(text: Optional[str]) -> Optional[list[tuple[int, int]]]:
@@ -241,33 +276,26 @@ def _select_shapes(shapes: list, wanted: Optional[list[tuple[int, int]]], max_sh
     return shapes
 
 
+@with_options(TuneFlags)
 def tune_fp8(
-    model: str = typer.Option(..., "--model", help=_MODEL_HELP),
-    tp: int = typer.Option(8, "--tp", help="Tensor-parallel size the model will be served with."),
-    layers: Optional[str] = typer.Option(None, "--layers", help="Only the GEMMs of these layers (comma-separated name parts, e.g. q_a,o_proj)."),
-    shapes_opt: Optional[str] = typer.Option(None, "--shapes", help="Only these GEMMs, as NxK pairs (e.g. 1536x7168,7168x2048)."),
-    max_shapes: Optional[int] = typer.Option(None, "--max-shapes", help="Only the first N GEMM shapes (in --dry-run order)."),
-    batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help=_BATCH_HELP),
-    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help=_OUT_HELP),
-    resume: bool = typer.Option(False, "--resume", help=_RESUME_HELP),
-    dry_run: bool = typer.Option(False, "--dry-run", help=_DRY_HELP),
-    exhaustive: bool = typer.Option(False, "--exhaustive", help=_EXH_HELP),
-    verify_exhaustive: Optional[str] = typer.Option(None, "--verify-exhaustive", help=_VERIFY_HELP),
-    max_configs: Optional[int] = typer.Option(None, "--max-configs", help=_MAXC_HELP),
-    time_limit: Optional[float] = typer.Option(None, "--time-limit", help=_TIME_HELP),
-    workers: int = typer.Option(0, "--workers", help=_WORKERS_HELP),
-    report_dir: Optional[Path] = typer.Option(None, "--report-dir", help=_REPORT_HELP),
-    grid: str = typer.Option("staged", "--grid", help=_GRID_HELP, hidden=True),
+    opts: TuneFlags,
+    layers: Optional[str] = typer.Option(None, "--layers", help="Only the GEMMs of these layers (comma-separated "
+                                         "name parts, e.g. q_a,o_proj)."),
+    shapes_opt: Optional[str] = typer.Option(None, "--shapes", help="Only these GEMMs, as NxK pairs "
+                                             "(e.g. 1536x7168,7168x2048)."),
+    max_shapes: Optional[int] = typer.Option(None, "--max-shapes",
+                                             help="Only the first N GEMM shapes (in --dry-run order)."),
 ) -> None:
+    device, name = _device(opts.dry_run, "tune-fp8")
     from tuning.shapes import gemm_shapes, load_model_config
     from tuning.targets import GemmTarget
 
+    cfg = load_model_config(opts.model)
     names = [s for s in (layers or "").split(",") if s.strip()] or None
-    shapes = _select_shapes(gemm_shapes(load_model_config(model), tp=tp, layers=names), _parse_shapes(shapes_opt),
-                            max_shapes)
-    device, opts, verify_sizes = _common(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, workers,
-                                         grid, dry_run, verify_exhaustive, report_dir)
-    _run([GemmTarget(s) for s in shapes], opts, device, dry_run, verify_sizes)
+    shapes = _select_shapes(gemm_shapes(cfg, tp=opts.tp, layers=names), _parse_shapes(shapes_opt), max_shapes)
+    topts, verify_sizes = _common(opts, device, name)
+    _announce("tune-fp8", opts, cfg, f", {len(shapes)} GEMM shape(s)")
+    _run([GemmTarget(s) for s in shapes], topts, device, opts.dry_run, verify_sizes)
 
 
 def register(app: typer.Typer) -> None:

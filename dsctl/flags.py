@@ -1,73 +1,88 @@
-"""Build Typer options from `engine.args.EngineArgs`.
+"""Build Typer options from `engine.args.EngineArgs`, and turn EngineArgs back into flags.
 
 Flags are defined once, as dataclass fields with metadata. `engine_command`
 wraps a command function so that the fields of the requested groups become
-`--kebab-case` options, and the function receives one validated `EngineArgs`.
+`--kebab-case` options, and the function receives one `EngineArgs`.
+`to_argv` is the inverse: the flags that reproduce an EngineArgs (for commands
+that start `dsctl` sub-processes, e.g. `bench ablation`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import typing
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable
 
 import typer
 
-from engine.args import EngineArgs, cli_name, fields_in_groups
+from dsctl.option_sets import merge_options
+from engine.args import SERVER, EngineArgs, cli_name, fields_in_groups
 
 _PANEL = {"model": "Model options", "server": "Server options", "gpu": "Kernel and GPU options"}
 
 
-def _option_type(f: dataclasses.Field) -> Any:
-    hints = typing.get_type_hints(EngineArgs)
-    return hints[f.name]
+def _panel(group: str) -> str:
+    return _PANEL.get(group, f"{group.capitalize()} options")
 
 
-def _option_for(f: dataclasses.Field) -> inspect.Parameter:
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _option_for(f: dataclasses.Field, hints: dict) -> inspect.Parameter:
     meta = f.metadata
-    typ = _option_type(f)
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    typ = hints[f.name]
+    default = _default(f)
     help_text = meta["help"]
     if meta.get("choices"):
         help_text += f" [{'|'.join(meta['choices'])}]"
     names = [f"--{cli_name(f.name)}", *meta.get("aliases", ())]
-    if typ is bool:
-        option = typer.Option(default, *names, help=help_text, rich_help_panel=_PANEL.get(meta["group"]))
-        if not default:
-            option = typer.Option(default, *names, help=help_text, is_flag=True,
-                                  rich_help_panel=_PANEL.get(meta["group"]))
+    panel = _panel(meta["group"])
+    if typ is bool and not default:  # a plain switch: --flag
+        option = typer.Option(default, *names, help=help_text, rich_help_panel=panel, show_default=False)
+    elif typ is bool:  # on by default: --flag/--no-flag
+        names[0] = f"{names[0]}/--no-{cli_name(f.name)}"
+        option = typer.Option(default, *names, help=help_text, rich_help_panel=panel)
     else:
-        option = typer.Option(default, *names, help=help_text, rich_help_panel=_PANEL.get(meta["group"]),
-                              show_default=default is not None)
+        option = typer.Option(default, *names, help=help_text, rich_help_panel=panel, show_default=default is not None)
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=typ)
 
 
 def engine_command(*groups: str) -> Callable[[Callable], Callable]:
     """Decorate `fn(args: EngineArgs, **own_options)`; adds the groups' flags to its CLI."""
+    hints = typing.get_type_hints(EngineArgs)
+    params = [_option_for(f, hints) for f in fields_in_groups(groups)]
+    return lambda fn: merge_options(fn, params, lambda values: EngineArgs(**values), "args")
 
-    def wrap(fn: Callable) -> Callable:
-        sig = inspect.signature(fn)
-        hints = typing.get_type_hints(fn)
-        own = [p.replace(annotation=hints.get(name, p.annotation))
-               for name, p in sig.parameters.items() if name != "args"]
-        engine_fields = fields_in_groups(groups)
-        engine_names = {f.name for f in engine_fields}
 
-        @functools.wraps(fn)
-        def command(**kwargs):
-            engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in engine_names}
-            args = EngineArgs(**engine_kwargs)
-            return fn(args, **kwargs)
+def engine_groups(exclude: Iterable[str] = ()) -> tuple[str, ...]:
+    """Every flag group of EngineArgs (in field order), less `exclude`: new groups are picked up as they land."""
+    groups = dict.fromkeys(f.metadata.get("group") for f in dataclasses.fields(EngineArgs))
+    return tuple(g for g in groups if g and g not in set(exclude))
 
-        params = own + [_option_for(f) for f in engine_fields]
-        command.__signature__ = sig.replace(parameters=params, return_annotation=None)
-        command.__annotations__ = {p.name: p.annotation for p in params}
-        del command.__wrapped__
-        return command
 
-    return wrap
+def non_server_groups() -> tuple[str, ...]:
+    """The groups an offline command (no HTTP server) takes."""
+    return engine_groups(exclude=(SERVER,))
+
+
+def to_argv(args: EngineArgs, groups: Iterable[str]) -> list[str]:
+    """Flags that make `engine_command(*groups)` rebuild `args` (fields left at their default are omitted)."""
+    out: list[str] = []
+    for f in fields_in_groups(tuple(groups)):
+        value = getattr(args, f.name)
+        if value == _default(f):
+            continue
+        flag = f"--{cli_name(f.name)}"
+        if isinstance(value, bool):
+            out.append(flag if value else f"--no-{cli_name(f.name)}")
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                out += [flag, str(item)]
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
 
 
 # Options that take several values the way SGLang's scripts write them (`--batch-size 1 8 32`).

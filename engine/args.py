@@ -232,7 +232,7 @@ class EngineArgs:
             try:
                 sizes = sorted({int(x) for x in self.cuda_graph_bs.replace(" ", "").split(",") if x})
             except ValueError:
-                raise UsageError(f"--cuda-graph-bs must be comma-separated integers (got {self.cuda_graph_bs!r})")
+                raise UsageError(f"--cuda-graph-bs must be comma-separated integers (got {self.cuda_graph_bs!r})") from None
             return sizes
         sizes = [b for b in (1, 2, 4) if b < self.cuda_graph_max_bs] + list(range(8, self.cuda_graph_max_bs + 1, 8))
         return sorted(set(sizes + [self.cuda_graph_max_bs]))

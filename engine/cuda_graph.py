@@ -8,10 +8,10 @@ sequence length 1, so they attend to one scratch token and write only scratch.
 With --enable-torch-compile the model's decode forward is compiled before capture
 for batch sizes up to --torch-compile-max-bs.
 
-`prepare(fb, bs)` runs the attention backend's host-side planning outside the graph:
-before each capture (on the dummy batch) and before each replay (on the padded
-batch, whose host lengths it reads); backends whose kernels read lengths from
-device tensors do nothing there.
+`prepare(fb, bs)` (the runner passes `ForwardContext.begin_forward`) runs the
+backends' host-side planning outside the graph: before each capture (on the dummy
+batch) and before each replay (on the padded batch, whose host lengths it reads);
+backends whose kernels read lengths from device tensors do nothing there.
 """
 
 from __future__ import annotations

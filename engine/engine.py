@@ -5,7 +5,10 @@
     eng = Engine(model="tiny")
     outs = eng.generate(["Hello", "Hi"], SamplingParams(temperature=0, max_new_tokens=16))
 
-The server, `bench` and tests all drive the model through this class.
+`generate` queues the requests, steps the scheduler until they finish, and builds
+each `GenerateOutput` from the same per-request deltas (`RequestOutput`, taken from
+the scheduler's output processor) that the server's engine loop streams. The
+server, `bench` and tests all drive the model through this class.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from engine.args import EngineArgs
 from engine.errors import RequestError, UsageError
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
+from engine.scheduler.output import CollectedOutput
+from engine.scheduler.processor import OutputProcessor
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
 from engine.tokenizer import load_tokenizer
@@ -51,15 +56,18 @@ class Engine:
         self.args = args.validate()
         torch.manual_seed(args.seed)
         self.runner = ModelRunner(args)
-        self.tokenizer = load_tokenizer(self.runner.resolved.path)
+        self.tokenizer = load_tokenizer(self.runner.resolved.tokenizer_path)
         eos = self.tokenizer.eos_ids() if self.tokenizer else set()
         if not eos and self.runner.config.eos_token_id is not None:
             eos = {self.runner.config.eos_token_id}
-        self.scheduler = Scheduler(
-            self.runner, self._decode, eos, max_prefill_tokens=args.max_prefill_tokens,
-            chunked_prefill_size=args.chunked_prefill_size, enable_radix_cache=not args.disable_radix_cache,
-            schedule_policy=args.schedule_policy, enable_overlap=not args.disable_overlap_schedule)
+        self.eos_ids = eos
+        self.scheduler = self.make_scheduler()
         self._ids = itertools.count()
+
+    def make_scheduler(self, args: Optional[EngineArgs] = None) -> Scheduler:
+        """A scheduler (and its output processor) over this engine's model; scheduling flags from args."""
+        outputs = OutputProcessor(self.tokenizer, self.eos_ids, self.runner.max_model_len)
+        return Scheduler(self.runner, outputs, args or self.args)
 
     @property
     def config(self):
@@ -73,12 +81,12 @@ class Engine:
             raise UsageError(f"{self.args.model} has no tokenizer files here; pass token ids instead of text")
         return self.tokenizer.encode(text)
 
-    def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def make_request(self, prompt_ids: list[int], params: SamplingParams, rid: Optional[str] = None) -> Request:
         params.validate()
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        return Request(rid=str(next(self._ids)), prompt_ids=list(prompt_ids), params=params, generator=gen)
+        return Request.new(rid if rid is not None else str(next(self._ids)), prompt_ids, params, gen)
 
     def generate(
         self,
@@ -96,36 +104,35 @@ class Engine:
         reqs = [self.make_request(ids, p) for ids, p in zip(token_lists, params)]
         for req in reqs:
             self.scheduler.add(req)
-        self.run_until_done(reqs)
-        return [self.output_of(r) for r in reqs]
+        return self.run_until_done(reqs)
 
-    def run_until_done(self, reqs: Iterable[Request]) -> None:
+    def run_until_done(self, reqs: Iterable[Request]) -> list[GenerateOutput]:
+        """Step until every request of reqs finished; their outputs, in order, built from their deltas."""
         reqs = list(reqs)
-        while not all(r.finished for r in reqs):
+        collected = {r.rid: CollectedOutput() for r in reqs}
+        while True:
+            for out in self.scheduler.take_outputs():
+                if out.rid in collected:
+                    collected[out.rid].add(out)
+            if all(r.finished for r in reqs):
+                return [self._output(r, collected[r.rid]) for r in reqs]
             if not self.scheduler.has_work():
                 raise RuntimeError("scheduler went idle with unfinished requests")
             self.scheduler.step()
 
-    def output_of(self, req: Request) -> GenerateOutput:
-        text = req.text if req.matched_stop is not None and isinstance(req.matched_stop, str) else \
-            self._decode(self._visible_ids(req), req.params.skip_special_tokens)
+    def _output(self, req: Request, got: CollectedOutput) -> GenerateOutput:
         p = req.params
+        text = got.stop_text if got.stop_text is not None else self._decode(got.visible_ids(), p.skip_special_tokens)
         return GenerateOutput(
             text=text,
-            token_ids=list(req.output_ids),
-            finish_reason=req.finish_reason,
-            prompt_token_ids=list(req.prompt_ids),
-            logprobs=list(req.output_logprobs) if p.logprobs or p.top_logprobs else None,
-            top_logprobs=list(req.output_top_logprobs) if p.top_logprobs else None,
-            prompt_logprobs=req.prompt_logprobs,
-            matched_stop=req.matched_stop,
+            token_ids=got.output_ids,
+            finish_reason=got.finish_reason,
+            prompt_token_ids=req.prompt_ids,
+            logprobs=got.logprobs if p.logprobs or p.top_logprobs else None,
+            top_logprobs=got.top_logprobs if p.top_logprobs else None,
+            prompt_logprobs=got.prompt_logprobs,
+            matched_stop=got.matched_stop,
         )
-
-    def _visible_ids(self, req: Request) -> list[int]:
-        """Output ids without a final EOS / stop token (which is not part of the text)."""
-        if req.finish_reason == "stop" and isinstance(req.matched_stop, int):
-            return req.output_ids[:-1]
-        return req.output_ids
 
 
 def _per_prompt(sp, n: int) -> list[SamplingParams]:

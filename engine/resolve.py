@@ -3,26 +3,85 @@
 MODEL may be a registry alias (`deepseek-v3`, `tiny`, ...), a local checkpoint
 directory, or a hub repo id already in the local Hugging Face cache. With
 `--load-format dummy` a known alias needs no files at all.
+
+The tokenizer comes from the checkpoint when it has tokenizer files; a dummy
+model without them (and the built-in models) gets the byte-level tokenizer dsctl
+generates at the model's vocab size (engine/dummy_tokenizer.py), so text prompts
+and chat work on every registry alias. `tokenizer_source` says which one it is.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from engine.args import EngineArgs
 from engine.config import ModelConfig, load_config, parse_config
 from engine.errors import CheckpointError, UsageError
-from engine.models import lookup
+from engine.models import ModelEntry, lookup
+
+log = logging.getLogger("dsctl.resolve")
+TokenizerSource = Literal["checkpoint", "generated"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 @dataclass
 class ResolvedModel:
     name: str
-    path: Optional[Path]  # None: dummy weights and no local files (no tokenizer)
+    path: Optional[Path]  # None: dummy weights and no local files
     config: ModelConfig
     dummy: bool
+    tokenizer_path: Optional[Path] = None  # directory with tokenizer.json; None: no tokenizer (token ids only)
+    tokenizer_source: Optional[TokenizerSource] = None  # "checkpoint" (real) or "generated" (byte-level stand-in)
+
+
+def has_tokenizer(path: Optional[Path]) -> bool:
+    return path is not None and any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _tokenizer(entry: Optional[ModelEntry], path: Optional[Path], cfg: ModelConfig,
+               dummy: bool) -> tuple[Optional[Path], Optional[TokenizerSource]]:
+    if entry is not None and entry.builtin:
+        return path, "generated"  # the built-in checkpoints carry the generated tokenizer
+    if has_tokenizer(path):
+        return path, "checkpoint"
+    if dummy:
+        from engine.dummy_tokenizer import generated_tokenizer_dir
+
+        try:
+            return generated_tokenizer_dir(cfg), "generated"
+        except ValueError as exc:  # a config no byte-level tokenizer fits (vocab too small, BOS == EOS)
+            log.warning("no tokenizer for this dummy model (%s): only token-id prompts will work", exc)
+    return None, None
+
+
+def tokenizer_source(entry: ModelEntry, revision: Optional[str] = None) -> TokenizerSource:
+    """Which tokenizer `--model <alias> --load-format dummy` gets on this machine: "checkpoint" when the
+    hub repo's tokenizer files are in the local Hugging Face cache, else "generated" (a real load
+    needs the download, which brings them). Looks at local files only; builds nothing."""
+    if entry.builtin:
+        return "generated"
+    return "checkpoint" if has_tokenizer(_cached_snapshot(entry.repo_id, revision)) else "generated"
+
+
+def registry_tokenizer(name: str, revision: Optional[str] = None) -> Optional[tuple[Path, TokenizerSource]]:
+    """(tokenizer directory, source) for a registry alias or its repo id, as a dummy run of it would
+    use; None when name is not in the registry. Generates the stand-in tokenizer if needed."""
+    entry = lookup(name)
+    if entry is None:
+        return None
+    if entry.builtin:
+        from engine.weights.tiny import materialize
+
+        return materialize(entry.alias, entry.config_dict()), "generated"
+    path = _cached_snapshot(entry.repo_id, revision)
+    if has_tokenizer(path):
+        return path, "checkpoint"
+    from engine.dummy_tokenizer import generated_tokenizer_dir
+
+    return generated_tokenizer_dir(parse_config(entry.config_dict())), "generated"
 
 
 def _cached_snapshot(repo_id: str, revision: Optional[str]) -> Optional[Path]:
@@ -73,4 +132,6 @@ def resolve_model(args: EngineArgs) -> ResolvedModel:
         from engine.weights.check import require_complete_checkpoint
 
         require_complete_checkpoint(path)
-    return ResolvedModel(name=args.model, path=path, config=cfg, dummy=dummy)
+    tokenizer_path, source = _tokenizer(entry, path, cfg, dummy)
+    return ResolvedModel(name=args.model, path=path, config=cfg, dummy=dummy,
+                         tokenizer_path=tokenizer_path, tokenizer_source=source)

@@ -2,7 +2,11 @@
 
 This is the only place that launches model forwards. It picks the device and
 dtype, decides whether FP8 weights stay FP8 (CUDA W8A8) or are dequantised,
-sizes the KV pool and request table, and wires the attention backend.
+resolves the attention and MoE backends by name (engine/model/backends.py: 'auto',
+start-up checks, factories), sizes the KV pool and request table, and builds the
+`ForwardContext` every forward passes down the layers. It registers the tuned
+kernel-config directory (--kernel-config-dir, default $DSCTL_KERNEL_CONFIG_DIR) with
+kernels/tuned_configs.py.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from engine.args import EngineArgs
 from engine.errors import UsageError
 from engine.forward_batch import ForwardBatch
 from engine.memory.pools import KVPool, ReqToTokenPool
-from engine.model.attention import AttentionContext, TorchAttentionBackend
-from engine.model.moe import MoE, TorchMoEBackend, TritonMoEBackend
+from engine.model.backends import ATTENTION_BACKENDS, MOE_BACKENDS, BackendSetup
+from engine.model.context import ForwardContext
 from engine.model.deepseek import DeepseekForCausalLM, MTPLayer
 from engine.model.rope import RotaryEmbedding
 from engine.resolve import ResolvedModel, resolve_model
+from kernels import tuned_configs
+from kernels.fp8_math import WEIGHT_BLOCK
+from kernels.interpret import interpreting
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +58,16 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def kernel_config_dir(args: EngineArgs) -> Optional[str]:
+    """--kernel-config-dir, else its documented default $DSCTL_KERNEL_CONFIG_DIR (read here, never written)."""
+    return args.kernel_config_dir or os.environ.get(tuned_configs.ENV_DIR) or None
+
+
 class ModelRunner:
     def __init__(self, args: EngineArgs, resolved: Optional[ResolvedModel] = None):
         args.validate()
         self.args = args
-        if args.kernel_config_dir:  # kernels/tuned_configs.py searches this env var before the shipped configs
-            os.environ["DSCTL_KERNEL_CONFIG_DIR"] = os.path.abspath(os.path.expanduser(args.kernel_config_dir))
+        tuned_configs.set_user_config_dir(kernel_config_dir(args))
         self.resolved = resolved or resolve_model(args)
         cfg = self.resolved.config
         self.device = pick_device(args.device)
@@ -65,39 +76,25 @@ class ModelRunner:
         self.config = cfg.with_num_layers(self.num_layers)
         self.fp8_block = self._fp8_block()
         self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.setup = BackendSetup(self.config, self.device, self.dtype, self._kv_dtype(),
+                                  tuple(self._graph_batch_sizes()), interpreting())
         self.attention_backend, self.moe_backend = self._pick_backends()
         self._build_model()
         self._init_memory()
         self.graphs = None
-        if self.device.type == "cuda" and not args.disable_cuda_graph:
+        if self.setup.cuda_graphs:
             self._capture_cuda_graphs()
 
     def _pick_backends(self) -> tuple[str, str]:
-        """Resolve 'auto' backends and reject combinations that cannot run here."""
-        import os
-
-        a, m = self.args.attention_backend, self.args.moe_backend
-        if self.args.enable_flashinfer_mla:
-            a = "flashinfer"
-        default = "triton" if self.device.type == "cuda" else "torch"
-        a, m = (default if a == "auto" else a), (default if m == "auto" else m)
-        interpret = os.environ.get("TRITON_INTERPRET") == "1"
-        if self.device.type != "cuda" and "triton" in (a, m) and not interpret:
-            raise UsageError("the Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 for slow CPU checks); "
-                             "use --attention-backend torch --moe-backend torch on CPU")
-        if self.device.type == "cuda" and not self.args.disable_cuda_graph and "torch" in (a, m):
-            raise UsageError("the torch reference backends loop over requests on the host and cannot be "
-                             "captured in CUDA graphs: add --disable-cuda-graph, or use the triton backends")
-        if self.args.kv_cache_dtype != "auto" and self.device.type != "cuda":
-            raise UsageError(f"--kv-cache-dtype {self.args.kv_cache_dtype} needs a CUDA GPU")
-        if a == "flashinfer":
-            from engine.model.attention_flashinfer import check_supported
-
-            cfg = self.config
-            check_supported(self.device, self.dtype, self._kv_dtype(), cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-        return a, m
+        """Backend names ('auto' resolved) after their start-up checks, which reject what cannot run here."""
+        attention = "flashinfer" if self.args.enable_flashinfer_mla else self.args.attention_backend
+        return (ATTENTION_BACKENDS.resolve(attention, self.setup),
+                MOE_BACKENDS.resolve(self.args.moe_backend, self.setup))
 
     def _kv_dtype(self) -> torch.dtype:
+        """The KV cache dtype (--kv-cache-dtype; FP8 caches need CUDA)."""
+        if self.args.kv_cache_dtype != "auto" and self.device.type != "cuda":
+            raise UsageError(f"--kv-cache-dtype {self.args.kv_cache_dtype} needs a CUDA GPU")
         return KV_CACHE_DTYPES.get(self.args.kv_cache_dtype, self.dtype)
 
     def _graph_batch_sizes(self) -> list[int]:
@@ -119,7 +116,7 @@ class ModelRunner:
             return None  # dequantise (CPU has no FP8 matmul)
         if cfg.fp8 is not None:
             return (cfg.fp8.block_n, cfg.fp8.block_k)
-        return (128, 128) if q == "fp8" else None
+        return WEIGHT_BLOCK if q == "fp8" else None
 
     def _build_model(self) -> None:
         cfg, resolved = self.config, self.resolved
@@ -139,17 +136,12 @@ class ModelRunner:
         else:
             from engine.weights.loader import load_checkpoint
 
-            load_checkpoint(modules, resolved.path, resolved.config, self.num_layers, self.fp8_block or (128, 128))
+            load_checkpoint(modules, resolved.path, resolved.config, self.num_layers, self.fp8_block or WEIGHT_BLOCK)
         for mod in modules.values():
             for m in mod.modules():
                 if hasattr(m, "absorb"):
                     m.absorb()
         self.model.eval()
-        moe_impl = TritonMoEBackend() if self.moe_backend == "triton" else TorchMoEBackend()
-        for mod in modules.values():
-            for m in mod.modules():
-                if isinstance(m, MoE):
-                    m.backend = moe_impl
 
     def _make_mtp(self) -> Optional[MTPLayer]:
         full = self.resolved.config
@@ -166,27 +158,14 @@ class ModelRunner:
     def _init_memory(self) -> None:
         cfg = self.config
         cache_layers = self.num_layers + (1 if self.mtp is not None else 0)
-        kv_dtype = self._kv_dtype()
+        kv_dtype = self.setup.kv_dtype
         self.req_to_token = ReqToTokenPool(self.args.max_running_requests, self.max_model_len + 1, self.device)
         size = self.args.max_total_tokens or self._default_kv_tokens(cache_layers, kv_dtype)
         self.kv_pool = KVPool(cache_layers, size, cfg.kv_cache_dim, kv_dtype, self.device)
         rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, self.max_model_len + 1, self.device)
-        self.attn_ctx = AttentionContext(self.kv_pool, self.req_to_token, rotary, self._make_attention_backend())
-
-    def _make_attention_backend(self):
-        if self.attention_backend == "triton":
-            from engine.model.attention_triton import TritonAttentionBackend
-
-            return TritonAttentionBackend()
-        if self.attention_backend == "flashinfer":
-            from engine.model.attention_flashinfer import FlashInferAttentionBackend
-
-            cfg = self.config
-            return FlashInferAttentionBackend(
-                cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, self.dtype,
-                self.kv_pool.dtype, self.kv_pool.scale, self.device, self.req_to_token.table.shape[1],
-                max_graph_bs=max(self._graph_batch_sizes(), default=0))
-        return TorchAttentionBackend()
+        attention = ATTENTION_BACKENDS.build(self.attention_backend, self.setup, self.kv_pool, self.req_to_token)
+        moe = MOE_BACKENDS.build(self.moe_backend, self.setup)
+        self.forward_ctx = ForwardContext(self.kv_pool, self.req_to_token, rotary, attention, moe)
 
     def _default_kv_tokens(self, cache_layers: int, kv_dtype: torch.dtype) -> int:
         """KV tokens that fit in --mem-fraction-static of the GPU after the weights (CPU: a fixed default)."""
@@ -212,16 +191,14 @@ class ModelRunner:
             # Round intermediates to bf16 where eager does, so compiled decode matches eager greedy output.
             inductor_config.emulate_precision_casts = True
             compiled = torch.compile(self._forward_eager, dynamic=False)
-        backend = self.attn_ctx.backend
         with torch.inference_mode():
-            self.graphs = CudaGraphRunner(self._forward_eager, self._graph_batch_sizes(),
+            self.graphs = CudaGraphRunner(self._forward_eager, list(self.setup.graph_batch_sizes),
                                           self.req_to_token.padding_row, self.device, compiled,
-                                          self.args.torch_compile_max_bs,
-                                          prepare=lambda fb, bs: backend.begin_forward(fb, self.attn_ctx, bs))
+                                          self.args.torch_compile_max_bs, prepare=self.forward_ctx.begin_forward)
 
     # ---- forward -----------------------------------------------------------
     def _forward_eager(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model.hidden_states(fb, self.attn_ctx)
+        hidden = self.model.hidden_states(fb, self.forward_ctx)
         return self.model.logits(hidden[fb.logits_indices]), hidden
 
     @torch.inference_mode()
@@ -229,7 +206,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(fb):
             logits, hidden = self.graphs.replay(fb)
         else:
-            self.attn_ctx.backend.begin_forward(fb, self.attn_ctx)
+            self.forward_ctx.begin_forward(fb)
             logits, hidden = self._forward_eager(fb)
         return ForwardOutput(logits=logits, hidden=hidden)
 
@@ -237,6 +214,6 @@ class ModelRunner:
     def forward_mtp(self, fb: ForwardBatch) -> ForwardOutput:
         if self.mtp is None:
             raise UsageError("this checkpoint has no MTP/NextN layer (num_nextn_predict_layers = 0)")
-        self.attn_ctx.backend.begin_forward(fb, self.attn_ctx)
-        hidden = self.mtp(fb, self.attn_ctx)
+        self.forward_ctx.begin_forward(fb)
+        hidden = self.mtp(fb, self.forward_ctx)
         return ForwardOutput(logits=self.mtp.logits(hidden[fb.logits_indices]), hidden=hidden)

@@ -9,70 +9,49 @@ Products accumulate in float32; outputs are bf16 (or the input dtype).
 
 `fp8_bmm` is the batched matmul of the absorbed MLA weights (W_UK, W_UV): one
 matrix per head, B[h] in [K, N] orientation, with per-tensor, per-head or 128 x 128
-block scales (see its docstring). Every kernel has a `*_ref` pure-torch twin.
+block scales (see its docstring). Every kernel has a `*_ref` pure-torch twin, written with
+the block maths of kernels/fp8_math.py (scale shapes, quantise, dequantise), which the
+kernels here reproduce on the device.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-GROUP_SIZE = 128
-EPS = 1e-10
-
 import triton
 import triton.language as tl
 
+from kernels.fp8_math import (
+    ACT_EPS,
+    FP8_DTYPE,
+    GROUP_SIZE,
+    block_scale_shape,
+    cdiv,
+    dequant_block_fp8,
+    dequant_groups,
+    quantize_groups,
+)
+from kernels.interpret import interpreting
 from kernels.tile_order import grouped_tile
-
-
-def interpreting() -> bool:
-    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
 
 # --------------------------------------------------------------------------- references
 
 
 def per_token_group_quant_fp8_ref(x: torch.Tensor, group_size: int = GROUP_SIZE,
-                                  eps: float = EPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (q [..., K] float8_e4m3fn, scale [..., ceil(K/group)] float32)."""
-    *lead, k = x.shape
-    g = _cdiv(k, group_size)
-    xf = torch.nn.functional.pad(x.float(), (0, g * group_size - k)).view(*lead, g, group_size)
-    scale = xf.abs().amax(-1).clamp(min=eps) / FP8_MAX
-    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(*lead, g * group_size)[..., :k].contiguous(), scale
-
-
-def dequant_groups_ref(q: torch.Tensor, scale: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
-    """Inverse of the 1 x group quantisation, in float32."""
-    s = scale.float().repeat_interleave(group_size, dim=-1)[..., : q.shape[-1]]
-    return q.float() * s
-
-
-def expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
-    """[..., ceil(rows/b0), ceil(cols/b1)] tile scales -> [..., rows, cols] per-element scales."""
-    s = scale.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    return s.repeat_interleave(block[1], dim=-1)[..., :cols]
+                                  eps: float = ACT_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `per_token_group_quant_fp8` computes: x [..., K] -> (q [..., K] float8_e4m3fn,
+    scale [..., ceil(K/group)] float32), i.e. kernels.fp8_math.quantize_groups."""
+    return quantize_groups(x, group_size, eps)
 
 
 def block_fp8_matmul_ref(a: torch.Tensor, b_fp8: torch.Tensor, b_scale: torch.Tensor,
                          block: tuple[int, int] = (128, 128), out_dtype: Optional[torch.dtype] = None,
                          compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """What `block_fp8_matmul` computes: quantise a (1 x block[1]), dequantise both, a @ b.T."""
-    n, k = b_fp8.shape
-    aq, a_s = per_token_group_quant_fp8_ref(a, block[1])
-    a_deq = dequant_groups_ref(aq, a_s, block[1]).to(compute_dtype)
-    b_deq = (b_fp8.float() * expand_block_scale(b_scale, n, k, block)).to(compute_dtype)
+    aq, a_s = quantize_groups(a, block[1])
+    a_deq = dequant_groups(aq, a_s, block[1]).to(compute_dtype)
+    b_deq = dequant_block_fp8(b_fp8, b_scale, block, compute_dtype)
     return (a_deq @ b_deq.T).to(out_dtype or a.dtype)
 
 
@@ -95,12 +74,12 @@ def fp8_bmm_ref(a: torch.Tensor, b_fp8: torch.Tensor, b_scale: torch.Tensor,
                 compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """What `fp8_bmm` computes: a [B, M, K] quantised 1 x block[0] along K, B[h] [K, N] dequantised."""
     bsz, k, n = b_fp8.shape
-    aq, a_s = per_token_group_quant_fp8_ref(a, block[0])
-    a_deq = dequant_groups_ref(aq, a_s, block[0]).to(compute_dtype)
+    aq, a_s = quantize_groups(a, block[0])
+    a_deq = dequant_groups(aq, a_s, block[0]).to(compute_dtype)
     s = _bmm_scale_3d(b_scale, bsz)
     kb, nb = s.shape[1], s.shape[2]
     blk = (block[0] if kb > 1 else k, block[1] if nb > 1 else n)
-    b_deq = (b_fp8.float() * expand_block_scale(s, k, n, blk)).to(compute_dtype)
+    b_deq = dequant_block_fp8(b_fp8, s, blk, compute_dtype)
     return torch.bmm(a_deq, b_deq).to(out_dtype or a.dtype)
 
 
@@ -262,7 +241,7 @@ def groups_per_program(groups: int, group_size: int) -> int:
 
 
 def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP_SIZE, column_major_scales: bool = False,
-                              eps: float = EPS) -> tuple[torch.Tensor, torch.Tensor]:
+                              eps: float = ACT_EPS) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (last dim contiguous) -> (q [..., K] e4m3, scale [..., ceil(K/group)] float32).
 
     With `column_major_scales` the scale of a 2-D x is a [M, G] view of a [G, M]
@@ -272,7 +251,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP_SIZE, col
         x = x.contiguous()
     *lead, k = x.shape
     x2 = x.reshape(-1, k)
-    m, g = x2.shape[0], _cdiv(k, group_size)
+    m, g = x2.shape[0], cdiv(k, group_size)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     if column_major_scales:
         if len(lead) != 1:
@@ -282,7 +261,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP_SIZE, col
         s = torch.empty((m, g), dtype=torch.float32, device=x.device)
     if m and k:
         gpp = groups_per_program(g, group_size)
-        _group_quant_kernel[(m, _cdiv(g, gpp))](
+        _group_quant_kernel[(m, cdiv(g, gpp))](
             x2, q, s, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), eps,
             GROUP=group_size, GROUPS_PER_PROG=gpp, EXACT_ROUND=interpreting(), num_warps=4)
     return q.view(*lead, k), (s if column_major_scales else s.view(*lead, g))
@@ -404,8 +383,8 @@ def _block_gemm(a, a_s, b_fp8, b_scale, block, out_dtype, cfg, out):
     n = b_fp8.shape[0]
     if b_fp8.shape[1] != k:
         raise ValueError(f"a has K={k}, b has K={b_fp8.shape[1]}")
-    if tuple(b_scale.shape) != (_cdiv(n, bn), _cdiv(k, bk)):
-        raise ValueError(f"b_scale shape {tuple(b_scale.shape)} != {(_cdiv(n, bn), _cdiv(k, bk))}")
+    if tuple(b_scale.shape) != block_scale_shape((n, k), block):
+        raise ValueError(f"b_scale shape {tuple(b_scale.shape)} != {block_scale_shape((n, k), block)}")
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     elif tuple(out.shape) != (m, n):
@@ -445,7 +424,7 @@ def fp8_bmm(a: torch.Tensor, b_fp8: torch.Tensor, b_scale: torch.Tensor, block: 
     s = _bmm_scale_3d(b_scale, h)
     scale_bk = block[0] if s.shape[1] > 1 else max(k, 1)
     scale_bn = block[1] if s.shape[2] > 1 else max(n, 1)
-    if s.shape[1] > 1 and s.shape[1] != _cdiv(k, block[0]) or s.shape[2] > 1 and s.shape[2] != _cdiv(n, block[1]):
+    if s.shape[1] > 1 and s.shape[1] != cdiv(k, block[0]) or s.shape[2] > 1 and s.shape[2] != cdiv(n, block[1]):
         raise ValueError(f"block scale shape {tuple(b_scale.shape)} does not fit K={k}, N={n}")
     if out is None:
         out = torch.empty((h, m, n), dtype=out_dtype or a.dtype, device=a.device)

@@ -26,13 +26,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.tile_order import grouped_tile
-
-from kernels.fp8 import (FP8_DTYPE, dequant_groups_ref, expand_block_scale, groups_per_program,
-                         interpreting, per_token_group_quant_fp8, per_token_group_quant_fp8_ref, quant_groups,
-                         quant_tile, store_cast)
+from kernels.fp8 import groups_per_program, per_token_group_quant_fp8, quant_groups, quant_tile, store_cast
+from kernels.fp8_math import FP8_DTYPE, block_scale_shape, dequant_block_fp8, dequant_groups, quantize_groups
+from kernels.interpret import interpreting
 from kernels.moe_align import align_plan, align_small, moe_align_block_size
-
+from kernels.tile_order import grouped_tile
 
 # --------------------------------------------------------------------------- reference
 
@@ -40,14 +38,14 @@ from kernels.moe_align import align_plan, align_small, moe_align_block_size
 def _dequant_expert(w: torch.Tensor, s: Optional[torch.Tensor], block) -> torch.Tensor:
     if w.dtype != FP8_DTYPE:
         return w.float()
-    return w.float() * expand_block_scale(s, w.shape[0], w.shape[1], block)
+    return dequant_block_fp8(w, s, block)
 
 
 def _act_quant(x: torch.Tensor, fp8: bool, block_k: int) -> torch.Tensor:
     if not fp8:
         return x.float()
-    q, s = per_token_group_quant_fp8_ref(x, block_k)
-    return dequant_groups_ref(q, s, block_k)
+    q, s = quantize_groups(x, block_k)
+    return dequant_groups(q, s, block_k)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -234,9 +232,8 @@ def _check(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, block_shape)
     if (w13.dtype == FP8_DTYPE) != (w2.dtype == FP8_DTYPE):
         raise ValueError("w13 and w2 must both be FP8 or both not")
     if w13.dtype == FP8_DTYPE:
-        bn, bk = block_shape
-        want13 = (e, -(-two_n // bn), -(-k // bk))
-        want2 = (e, -(-k // bn), -(-n // bk))
+        bk = block_shape[1]
+        want13, want2 = block_scale_shape(w13.shape, block_shape), block_scale_shape(w2.shape, block_shape)
         if w13_scale is None or w2_scale is None or tuple(w13_scale.shape) != want13 \
                 or tuple(w2_scale.shape) != want2:
             raise ValueError(f"FP8 weights need w13_scale {want13} and w2_scale {want2}")

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.interpret import interpreting
 
 _LOG2E = 1.4426950408889634
 
@@ -75,11 +76,6 @@ def _num_splits(seq_len, max_splits, min_split_tokens):
 def _split_len(seq_len, n_splits, BLOCK_N: tl.constexpr):
     per = (seq_len + n_splits - 1) // n_splits
     return ((per + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (CPU tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit

@@ -11,6 +11,9 @@ One program takes BLOCK_M new tokens of one head of one request, streams the
 prefix and then the causal part of the new tokens in BLOCK_N tiles with an
 online (flash) softmax in float32.
 
+The prefix and the new tokens before the query block's diagonal are fully visible
+(`_attend_visible`, one loop for both); only the diagonal tiles apply the causal mask.
+
 `extend_attention_ref` is the pure-torch reference.
 """
 
@@ -22,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mla_decode import dot_operand, interpreting
+from kernels.interpret import interpreting
+from kernels.mla_decode import dot_operand
 
 _LOG2E = 1.4426950408889634
 
@@ -69,6 +73,21 @@ def _attend_tile(acc, m_i, l_i, q1, q2, K, V, rows, col_valid, visible, stride_k
 
 
 @triton.jit
+def _attend_visible(acc, m_i, l_i, q1, q2, K, V, end, valid_len, stride_k, stride_v, offs_n,
+                    offs_d1, offs_d2, offs_dv, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
+                    HAS_D2: tl.constexpr, qk_scale, BLOCK_N: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """Key/value rows [0, end) that every query row sees, in BLOCK_N tiles (rows >= valid_len: padding)."""
+    for start_n in range(0, end, BLOCK_N):
+        cols = start_n + offs_n
+        col_valid = cols < valid_len
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q1, q2, K, V, cols, col_valid, col_valid[None, :],
+                                     stride_k, stride_v, offs_d1, offs_d2, offs_dv, D1, D2, DV,
+                                     HAS_D2, qk_scale, COMPUTE_DTYPE, INTERPRET)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _extend_fwd(
     Q, K, V, KP, VP, Out, CuExt, CuPre, qk_scale,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
@@ -103,25 +122,20 @@ def _extend_fwd(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
+        # The whole prefix is visible to every new token.
         kp = KP + pre_start * stride_kp_t + head * stride_kp_h
         vp = VP + pre_start * stride_vp_t + head * stride_vp_h
-        for start_n in range(0, pre_len, BLOCK_N):
-            cols = start_n + offs_n
-            col_valid = cols < pre_len
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q1, q2, kp, vp, cols, col_valid, col_valid[None, :],
-                                         stride_kp_t, stride_vp_t, offs_d1, offs_d2, offs_dv, D1, D2, DV,
-                                         HAS_D2, qk_scale, COMPUTE_DTYPE, INTERPRET)
+        acc, m_i, l_i = _attend_visible(acc, m_i, l_i, q1, q2, kp, vp, pre_len, pre_len, stride_kp_t, stride_vp_t,
+                                        offs_n, offs_d1, offs_d2, offs_dv, D1, D2, DV, HAS_D2, qk_scale, BLOCK_N,
+                                        COMPUTE_DTYPE, INTERPRET)
 
         k = K + ext_start * stride_k_t + head * stride_k_h
         v = V + ext_start * stride_v_t + head * stride_v_h
         # New tokens before this query block: fully visible (no causal mask needed).
         diag_start = (mblk * BLOCK_M // BLOCK_N) * BLOCK_N if MASK_DIAG_ONLY else 0
-        for start_n in range(0, diag_start, BLOCK_N):
-            cols = start_n + offs_n
-            col_valid = cols < ext_len
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q1, q2, k, v, cols, col_valid, col_valid[None, :],
-                                         stride_k_t, stride_v_t, offs_d1, offs_d2, offs_dv, D1, D2, DV,
-                                         HAS_D2, qk_scale, COMPUTE_DTYPE, INTERPRET)
+        acc, m_i, l_i = _attend_visible(acc, m_i, l_i, q1, q2, k, v, diag_start, ext_len, stride_k_t, stride_v_t,
+                                        offs_n, offs_d1, offs_d2, offs_dv, D1, D2, DV, HAS_D2, qk_scale, BLOCK_N,
+                                        COMPUTE_DTYPE, INTERPRET)
         # The diagonal (everything when MASK_DIAG_ONLY is off): causal mask.
         causal_end = tl.minimum((mblk + 1) * BLOCK_M, ext_len)
         for start_n in range(diag_start, causal_end, BLOCK_N):

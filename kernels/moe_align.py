@@ -30,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 SMALL_CHUNKS = 8  # up to this many chunks, one program does all passes (one launch)
 
 

@@ -109,7 +109,7 @@ def _moe_gate_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_lt, scal
                 s = tl.max(v, axis=1)
             gscore = tl.where(g_idx[None, :] == g, s[:, None], gscore)
         keep = tl.zeros((BLOCK_T, BLOCK_G), tl.int32)
-        for i in tl.static_range(TOPK_GROUP):
+        for _i in tl.static_range(TOPK_GROUP):
             _, gi = _argmax_first(tl.where(keep > 0, neg, gscore), g_idx, BLOCK_G)
             keep = tl.where(g_idx[None, :] == gi[:, None], 1, keep)
         allowed = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)

@@ -10,11 +10,14 @@ Optional keys: QUANT_A (the GEMM quantises its own activation tiles), <KEY>_DOWN
 <KEY> for the down-projection GEMM only), CUBLAS (block GEMM: cuBLASLt's block-scaled FP8
 GEMM where available, the Triton tiles of the same dict otherwise).
 
-Search order: the user directory (argument, else env DSCTL_KERNEL_CONFIG_DIR), then
-kernels/configs/ shipped in the package. A look-up picks the tuned M nearest the
-actual one (ties: the smaller). With no file, defaults are used and a warning naming
-the `dsctl tune-moe` / `dsctl tune-fp8` command that would write it is logged once.
-`dsctl tune-*` (tuning/) writes files with `save_configs`.
+Search order: the user directory (the `user_dir` argument, else the one registered with
+`set_user_config_dir`, which the engine's ModelRunner does with --kernel-config-dir), then
+kernels/configs/ shipped in the package. Nothing here reads the environment: the
+DSCTL_KERNEL_CONFIG_DIR variable (ENV_DIR) is only the documented default of that flag,
+resolved by the engine. A look-up picks the tuned M nearest the actual one (ties: the
+smaller). With no file, defaults are used and a warning naming the `dsctl tune-moe` /
+`dsctl tune-fp8` command that would write it is logged once. `dsctl tune-*` (tuning/)
+writes files with `save_configs`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Optional, Union
 
@@ -30,13 +32,25 @@ import torch
 
 log = logging.getLogger("dsctl.kernels")
 
-ENV_DIR = "DSCTL_KERNEL_CONFIG_DIR"
+ENV_DIR = "DSCTL_KERNEL_CONFIG_DIR"  # the user-facing default of --kernel-config-dir (read by the engine, not here)
 SHIPPED_DIR = Path(__file__).resolve().parent / "configs"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 _warned: set[str] = set()
 _memo: dict[tuple, dict] = {}
+_registered: dict[str, Optional[Path]] = {"user_dir": None}  # set_user_config_dir's directory
 
 Device = Union[torch.device, str, None]
+PathLike = Union[str, Path]
+
+
+def set_user_config_dir(path: Optional[PathLike]) -> None:
+    """Search `path` before the shipped configs in every later look-up of this process (None: shipped only)."""
+    _registered["user_dir"] = Path(path).expanduser().absolute() if path else None
+
+
+def user_config_dir() -> Optional[Path]:
+    """The directory registered with set_user_config_dir (None when there is none)."""
+    return _registered["user_dir"]
 
 
 def normalize_device_name(name: str) -> str:
@@ -64,16 +78,13 @@ def fp8_gemm_config_filename(N: int, K: int, device: str, block_shape=(128, 128)
     return f"N={N},K={K},device_name={normalize_device_name(device)},dtype=fp8_w8a8{_block_part(block_shape)}.json"
 
 
-def config_dirs(user_dir: Optional[Union[str, Path]] = None) -> list[Path]:
-    dirs = []
-    user = user_dir or os.environ.get(ENV_DIR)
-    if user:
-        dirs.append(Path(user).expanduser())
-    dirs.append(SHIPPED_DIR)
-    return dirs
+def config_dirs(user_dir: Optional[PathLike] = None) -> list[Path]:
+    """Directories searched, in order: user_dir (else the registered one), then the shipped configs."""
+    user = user_dir or user_config_dir()
+    return ([Path(user).expanduser()] if user else []) + [SHIPPED_DIR]
 
 
-def find_config_file(filename: str, user_dir: Optional[Union[str, Path]] = None) -> Optional[Path]:
+def find_config_file(filename: str, user_dir: Optional[PathLike] = None) -> Optional[Path]:
     for d in config_dirs(user_dir):
         if (d / filename).is_file():
             return d / filename
@@ -87,13 +98,13 @@ def _read(path: str, mtime: float) -> dict[int, dict]:
     return {int(m): {k: int(v) for k, v in cfg.items()} for m, cfg in raw.items()}
 
 
-def load_configs(path: Union[str, Path]) -> dict[int, dict]:
+def load_configs(path: PathLike) -> dict[int, dict]:
     """{M: config} from a JSON file (keys back to ints); cached until the file changes."""
     p = Path(path)
     return dict(_read(str(p), p.stat().st_mtime))
 
 
-def save_configs(path: Union[str, Path], configs: dict[int, dict]) -> None:
+def save_configs(path: PathLike, configs: dict[int, dict]) -> None:
     """Write {M: config} as JSON, sorted by M (the format load_configs reads)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -164,7 +175,7 @@ def clear_config_cache() -> None:
 def _memoised(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        key = (fn.__name__, args, tuple(sorted(kwargs.items())), os.environ.get(ENV_DIR))
+        key = (fn.__name__, args, tuple(sorted(kwargs.items())), user_config_dir())
         try:
             hit = _memo.get(key)
         except TypeError:  # unhashable argument: no memo

@@ -21,6 +21,6 @@ fi
 
 case "$mode" in
     serve) exec "$VPY" -m dsctl serve "$@" ;;
-    test)  exec "$VPY" -m pytest tests -q -rs "$@" ;;
+    test)  "$VPY" -m ruff check . && exec "$VPY" -m pytest tests -q -rs "$@" ;;
     *) echo "unknown mode '$mode' (use serve or test)" >&2; exit 2 ;;
 esac

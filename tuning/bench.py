@@ -42,11 +42,12 @@ def _generator(device, seed: int) -> torch.Generator:
 
 def _random_fp8(shape, block, gen, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Random e4m3 weight (values ~N(0, 1)) and float32 block scales in [0.005, 0.015)."""
+    from kernels.fp8_math import block_scale_shape
+
     w = torch.empty(shape, dtype=FP8, device=device)
     for i in range(shape[0]):  # one leading slice at a time: bounded temporary memory
         w[i] = torch.randn(shape[1:], generator=gen, device=device, dtype=torch.float32).to(FP8)
-    s_shape = (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
-    scale = torch.rand(s_shape, generator=gen, device=device) * 0.01 + 0.005
+    scale = torch.rand(block_scale_shape(shape, block), generator=gen, device=device) * 0.01 + 0.005
     return w, scale
 
 

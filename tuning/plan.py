@@ -98,7 +98,7 @@ def print_plans(plans: list[Plan], opts: TuneOptions, workers: int, console) -> 
 
     for p in plans:
         console.print(f"[bold]{p.title}[/]")
-        console.print(f"  file: {p.filename}")
+        console.print(f"  file: {p.filename}", soft_wrap=True)  # one line, so the name copies whole
         mode = "exhaustive (full grid, every config timed)" if opts.exhaustive else "staged search"
         console.print(f"  {mode}: grid of {p.grid_size} configs; fits the device: {p.static.summary()}")
         table = Table(show_header=True, box=None, pad_edge=False)

@@ -163,10 +163,12 @@ def save_results(report: "TuneReport", opts: TuneOptions) -> None:
 
 def installed_configs(target, opts: TuneOptions) -> tuple[Optional[Path], dict[int, dict]]:
     """The config file the engine would use now (out dir, then DSCTL_KERNEL_CONFIG_DIR, then shipped)."""
-    from kernels.tuned_configs import config_dirs, load_configs
+    import os
+
+    from kernels.tuned_configs import ENV_DIR, config_dirs, load_configs
 
     name = target.filename(opts.device_name)
-    for d in [opts.out_dir, *config_dirs()]:
+    for d in [opts.out_dir, *config_dirs(os.environ.get(ENV_DIR))]:
         if (Path(d) / name).is_file():
             try:
                 return Path(d) / name, load_configs(Path(d) / name)
@@ -200,7 +202,7 @@ def _nearest_first(cfgs: list[dict], ref: dict, limit: Optional[int]) -> list[di
 
 def halving_evals(n: int, rounds, eta: int, keep: int) -> int:
     total = 0
-    for i, _ in enumerate(rounds):
+    for _ in rounds:
         total += n
         n = min(n, max(keep, math.ceil(n / eta)))
     return total
@@ -353,7 +355,7 @@ def make_precompiler(opts: TuneOptions, device):
     """A compile pool on a GPU (not under the Triton interpreter), or None."""
     import torch
 
-    from kernels.fp8 import interpreting
+    from kernels.interpret import interpreting
     from tuning.precompile import Precompiler, default_workers
 
     workers = opts.workers or default_workers()
@@ -429,18 +431,35 @@ def _us(v: Optional[float]) -> str:
     return f"{v:.1f}" if v is not None and math.isfinite(v) else "-"
 
 
-def print_report(report: TuneReport, console) -> None:
+def report_layouts(report: TuneReport) -> list:
+    """The tuned-vs-default table: every column, then (narrow terminals) the essential ones."""
     from rich.table import Table
 
-    table = Table(title=f"{report.title}: tuned vs default config")
-    for col in ("M", "default us", "tuned us", "speed-up", "installed us", "configs timed", "s", "tuned config"):
-        table.add_column(col, justify="right" if col != "tuned config" else "left")
+    title = f"{report.title}: tuned vs default config"
+    wide, narrow = Table(title=title), Table(title=title)
+    for col in ("M", "default\nus", "tuned\nus", "speed-up", "installed\nus", "configs\ntimed", "s"):
+        wide.add_column(col, justify="right", no_wrap=True)
+    for col in ("M", "default\nus", "tuned\nus", "speed-up"):
+        narrow.add_column(col, justify="right", no_wrap=True)
+    wide.add_column("tuned config")
+    narrow.add_column("tuned config")
     for m in sorted(report.results):
         r = report.results[m]
         sp = f"{r.speedup:.2f}x" if r.speedup else "-"
-        table.add_row(str(m), _us(r.default_us), _us(r.tuned_us), sp, _us(r.existing_us), str(r.timed or "-"),
-                      f"{r.seconds:.0f}" if r.seconds else "-", ss.describe(r.config) + (f" ({r.note})" if r.note else ""))
-    console.print(table)
+        config = ss.describe(r.config) + (f" ({r.note})" if r.note else "")
+        wide.add_row(str(m), _us(r.default_us), _us(r.tuned_us), sp, _us(r.existing_us), str(r.timed or "-"),
+                     f"{r.seconds:.0f}" if r.seconds else "-", config)
+        narrow.add_row(str(m), _us(r.default_us), _us(r.tuned_us), sp, config)
+    return [wide, narrow]
+
+
+def print_report(report: TuneReport, console, show=None) -> None:
+    """Print the table (`show(console, layouts)` picks a layout; default: the widest) and the summary."""
+    layouts = report_layouts(report)
+    if show is None:
+        console.print(layouts[0])
+    else:
+        show(console, layouts)
     line = f"wrote {report.path} in {report.seconds:.0f} s"
     if report.kernels_built:
         line += f" ({report.kernels_built} kernels compiled by workers in {report.compile_seconds:.0f} s)"

@@ -148,19 +148,34 @@ def verify(target, opts: TuneOptions, batch_sizes: list[int], device="cuda", con
     return report
 
 
-def print_verify(report: VerifyReport, console, n_batch_sizes: int = 18) -> None:
+def verify_layouts(report: VerifyReport) -> list:
+    """The staged-vs-exhaustive table: every column, then (narrow terminals) the essential ones."""
     from rich.table import Table
 
-    table = Table(title=report.title)
-    for col in ("M", "staged s", "staged configs", "staged us", "file us", "exhaustive s", "exhaustive configs",
-                "best us", "gap", "staged config", "exhaustive best"):
-        table.add_column(col, justify="left" if "config" in col and "configs" not in col else "right")
+    wide, narrow = Table(title=report.title), Table(title=report.title)
+    for col in ("M", "staged\ns", "staged\nconfigs", "staged\nus", "file\nus", "exhaustive\ns",
+                "exhaustive\nconfigs", "best\nus", "gap"):
+        wide.add_column(col, justify="right", no_wrap=True)
+    for col in ("M", "staged\nus", "best\nus", "gap"):
+        narrow.add_column(col, justify="right", no_wrap=True)
+    wide.add_column("staged config / exhaustive best")
+    narrow.add_column("staged config / exhaustive best")
     for r in report.rows:
-        table.add_row(str(r.m), f"{r.staged_s:.0f}", str(r.staged_timed), _us(r.staged_us), _us(r.file_us),
-                      f"{r.exhaustive_s:.0f}", str(r.exhaustive_timed), _us(r.best_us),
-                      f"{100 * r.gap:+.1f}%" if math.isfinite(r.gap) else "-", ss.describe(r.staged),
-                      ss.describe(r.best) if r.best else "-")
-    console.print(table)
+        gap = f"{100 * r.gap:+.1f}%" if math.isfinite(r.gap) else "-"
+        configs = f"{ss.describe(r.staged)}\n{ss.describe(r.best) if r.best else '-'}"
+        wide.add_row(str(r.m), f"{r.staged_s:.0f}", str(r.staged_timed), _us(r.staged_us), _us(r.file_us),
+                     f"{r.exhaustive_s:.0f}", str(r.exhaustive_timed), _us(r.best_us), gap, configs)
+        narrow.add_row(str(r.m), _us(r.staged_us), _us(r.best_us), gap, configs)
+    return [wide, narrow]
+
+
+def print_verify(report: VerifyReport, console, n_batch_sizes: int = 18, show=None) -> None:
+    """Print the table (`show(console, layouts)` picks a layout; default: the widest) and the verdict."""
+    layouts = verify_layouts(report)
+    if show is None:
+        console.print(layouts[0])
+    else:
+        show(console, layouts)
     if not report.rows:
         console.print("[yellow]verify: no batch size compared[/]")
         return

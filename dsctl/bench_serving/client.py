@@ -3,7 +3,9 @@
 Times each request from the moment it is sent: TTFT is the first chunk that
 carries text (content or reasoning), ITLs are the gaps between text chunks.
 Token counts come from the stream's usage chunk (stream_options.include_usage)
-when the server sends one, else from the tokenizer, else from estimates.
+when the server sends one, else from the tokenizer, else from estimates; each
+result also keeps the lengths that were asked for, so the report can show where
+the server counted differently.
 Any failure (HTTP error, error event, broken stream, timeout) becomes a failed
 result with its message; nothing is dropped.
 """
@@ -63,6 +65,8 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)  # seconds since send, chunks with text
     error: str = ""
     counted_by: str = "estimate"  # usage | tokenizer | estimate
+    asked_prompt_len: Optional[int] = None  # the request's prompt_len / max_tokens, for comparison
+    asked_output_len: Optional[int] = None
 
     @property
     def itl(self) -> list[float]:
@@ -132,7 +136,8 @@ async def send(client, api: Api, req: BenchRequest, t0: float, tok: Optional[Tok
     except Exception as exc:  # httpx errors, bad JSON, StreamError
         message = str(exc) if isinstance(exc, StreamError) else f"{type(exc).__name__}: {exc}"
         return RequestResult(False, req.prompt_len, 0, start - t0, time.perf_counter() - start,
-                             error=message or type(exc).__name__)
+                             error=message or type(exc).__name__, asked_prompt_len=req.prompt_len,
+                             asked_output_len=req.output_len)
     latency = time.perf_counter() - start
     if usage.get("completion_tokens") is not None:
         plen, olen, how = int(usage.get("prompt_tokens") or req.prompt_len), int(usage["completion_tokens"]), "usage"
@@ -141,4 +146,22 @@ async def send(client, api: Api, req: BenchRequest, t0: float, tok: Optional[Tok
     else:
         plen, olen, how = req.prompt_len, len(times), "estimate"
     return RequestResult(True, plen, olen, start - t0, latency, times[0] if times else None, times,
-                         counted_by=how)
+                         counted_by=how, asked_prompt_len=req.prompt_len, asked_output_len=req.output_len)
+
+
+def accepts_token_ids(api: Api, ids: list[int], timeout: float = 600.0) -> tuple[bool, str]:
+    """Whether /v1/completions takes a token-id prompt: (True, "") or (False, the server's refusal).
+
+    One untimed request for one token. Only a 400/422 answer counts as a refusal; other failures
+    (a server that is down, say) are left for the benchmark itself to report.
+    """
+    import httpx
+
+    body = {"model": api.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "stream": False}
+    try:
+        response = httpx.post(api.url, json=body, headers=api.headers, timeout=timeout)
+    except httpx.HTTPError:
+        return True, ""
+    if response.status_code in (400, 422):  # a bad-request answer; 401/404 are not about the prompt's form
+        return False, _error_text(response.status_code, response.content)
+    return True, ""

@@ -1,8 +1,9 @@
 """Benchmark prompts: random (fixed or ranged lengths), ShareGPT conversations, or a JSONL file.
 
-Each request carries its prompt, the number of prompt tokens (tokenizer count or
-estimate; the server's usage field wins when it reports one) and the number of
-tokens to ask for (max_tokens).
+Each request carries its prompt, the number of prompt tokens asked for (exact for
+token-id prompts, tokenizer count or estimate for text; the server's usage field
+is what the results report) and the number of tokens to ask for (max_tokens).
+Random prompts of exact lengths are made in random_prompts.py.
 """
 
 from __future__ import annotations
@@ -10,55 +11,35 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
+from dsctl.bench_serving.random_prompts import PromptForm, lengths, random_prompts
 from dsctl.bench_serving.tokens import TokenCounter, estimate_tokens
 from engine.errors import UsageError
-
-# Without a tokenizer, random prompts are made of common words (about one token each).
-_WORDS = ("the of and to in is was for on are with as by at from that this have one which you were his her "
-          "they had not but what all when there can more some time into them two then other about many out "
-          "these so would make like him has look write see number way could people than first water been call "
-          "who oil its now find long down day did get come made may part over new sound take only little work "
-          "know place year live back give most very after thing our just name good sentence man think say great "
-          "where help through much before line right too mean old any same tell boy follow came want show also "
-          "around form three small set put end does another well large must big even such because turn here why "
-          "ask went men read need land different home us move try kind hand picture again change off play spell "
-          "air away animal house point page letter mother answer found study still learn should world").split()
 
 
 @dataclass(frozen=True)
 class BenchRequest:
-    prompt: str
-    prompt_len: int
-    output_len: int
-
-
-def _lengths(rng, n: int, length: int, ratio: float) -> np.ndarray:
-    low = max(1, int(length * ratio))
-    return rng.integers(low, max(low, length) + 1, size=n)
+    prompt: Union[str, list[int]]  # text, or token ids (random dataset on /v1/completions)
+    prompt_len: int  # tokens asked for (random) or counted by the tokenizer / estimated (files)
+    output_len: int  # max_tokens
 
 
 def random_requests(n: int, input_len: int, output_len: int, range_ratio: float, seed: int,
-                    tok: Optional[TokenCounter]) -> list[BenchRequest]:
-    """Prompts of random tokens; lengths uniform in [len * range_ratio, len] (ratio 1: exactly len)."""
-    if not 0.0 <= range_ratio <= 1.0:
-        raise UsageError("--random-range-ratio must be within [0, 1]")
+                    tok: Optional[TokenCounter], form: PromptForm = "words",
+                    add_special_tokens: bool = True) -> list[BenchRequest]:
+    """Random prompts; lengths uniform in [len * range_ratio, len] (ratio 1: exactly len).
+
+    form: "ids" (token ids, exact), "text" (tokenizer-verified text; add_special_tokens: count the
+    BOS the server adds, as /v1/completions does) or "words" (no tokenizer; approximate).
+    """
     rng = np.random.default_rng(seed)
-    in_lens, out_lens = _lengths(rng, n, input_len, range_ratio), _lengths(rng, n, output_len, range_ratio)
-    out = []
-    for i in range(n):
-        if tok is not None:
-            ids = rng.integers(0, tok.vocab_size, size=int(in_lens[i])).tolist()
-            prompt = tok.decode(ids)
-            plen = tok.count(prompt)
-        else:
-            prompt = " ".join(rng.choice(_WORDS, size=int(in_lens[i])).tolist())
-            plen = int(in_lens[i])
-        out.append(BenchRequest(prompt, plen, int(out_lens[i])))
-    return out
+    in_lens = lengths(rng, n, input_len, range_ratio)
+    out_lens = lengths(rng, n, output_len, range_ratio)
+    prompts = random_prompts(rng, in_lens, form, tok, add_special_tokens)
+    return [BenchRequest(p, int(i), int(o)) for p, i, o in zip(prompts, in_lens, out_lens)]
 
 
 def _count(text: str, tok: Optional[TokenCounter]) -> int:
@@ -112,9 +93,10 @@ def jsonl_requests(path: Path, n: int, seed: int, tok: Optional[TokenCounter]) -
 
 def load_requests(dataset: str, path: Optional[Path], n: int, input_len: int, output_len: int,
                   range_ratio: float, seed: int, tok: Optional[TokenCounter],
-                  sharegpt_output_len: Optional[int] = None) -> list[BenchRequest]:
+                  sharegpt_output_len: Optional[int] = None, form: PromptForm = "words",
+                  add_special_tokens: bool = True) -> list[BenchRequest]:
     if dataset == "random":
-        return random_requests(n, input_len, output_len, range_ratio, seed, tok)
+        return random_requests(n, input_len, output_len, range_ratio, seed, tok, form, add_special_tokens)
     if path is None:
         raise UsageError(f"--dataset {dataset} needs --dataset-path")
     if dataset == "sharegpt":

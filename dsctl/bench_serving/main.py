@@ -1,4 +1,11 @@
-"""`dsctl bench serving` end to end: prompts -> load -> metrics -> table, JSON line, plot."""
+"""`dsctl bench serving` end to end: prompts -> load -> metrics -> table, JSON line, plot.
+
+Random prompts go to /v1/completions as token ids, so the server gets exactly the
+lengths asked; chat, or a server that refuses token ids, gets text whose length
+was verified with the tokenizer. The tokenizer is --tokenizer, else the one of
+--model or of the model the server reports (a registry alias with no checkpoint
+here gets dsctl's generated stand-in, the same one a dummy server uses).
+"""
 
 from __future__ import annotations
 
@@ -9,13 +16,15 @@ from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
+from rich.markup import escape
 
-from dsctl.bench_serving.client import Api, normalize_base_url
+from dsctl.bench_serving.client import Api, accepts_token_ids, normalize_base_url
 from dsctl.bench_serving.datasets import load_requests
 from dsctl.bench_serving.metrics import Summary, summarize
-from dsctl.bench_serving.report import append_result, record, render
-from dsctl.bench_serving.runner import Load, discover_model, run_load
-from dsctl.bench_serving.tokens import load_tokenizer
+from dsctl.bench_serving.random_prompts import pick_form
+from dsctl.bench_serving.report import append_result, length_warnings, record, render
+from dsctl.bench_serving.runner import Load, first_model_card, run_load
+from dsctl.bench_serving.tokens import TokenCounter, first_tokenizer, load_tokenizer
 from engine.errors import DsctlError, UsageError
 
 
@@ -61,14 +70,40 @@ def parse_rate(text: str) -> float:
     return rate
 
 
-def _model(opts: ServingOptions, base: str) -> str:
-    if opts.model:
-        return opts.model
+def _model_card(opts: ServingOptions, base: str) -> dict:
+    """The server's first /v1/models card ({} when --model is given and the listing fails)."""
     try:
-        return discover_model(base, opts.api_key)
+        return first_model_card(base, opts.api_key)
     except Exception as exc:
+        if opts.model:
+            return {}
         raise UsageError(f"cannot list models at {base}/v1/models ({type(exc).__name__}: {exc}); "
                          "pass --model") from None
+
+
+def _tokenizer(opts: ServingOptions, card: dict) -> Optional[TokenCounter]:
+    if opts.tokenizer:
+        return load_tokenizer(opts.tokenizer, required=True)
+    return first_tokenizer([opts.model, card.get("root"), card.get("id")])
+
+
+_FORMS = {"ids": "token ids (exact lengths)", "text": "text (lengths verified with the tokenizer)",
+          "chat": "chat messages (content lengths verified with the tokenizer)",
+          "words": "words (approximate lengths: no tokenizer)", "file": "from the dataset file"}
+
+
+def _prompt_form(opts: ServingOptions, api: Api, tok: Optional[TokenCounter], console: Console) -> str:
+    """How prompts are sent: ids, text, chat or words (random dataset), or file."""
+    if opts.dataset != "random":
+        return "file"
+    form = pick_form(opts.endpoint, tok)
+    if form == "ids":
+        ok, why = accepts_token_ids(api, [int(tok.ordinary_ids[0])], opts.request_timeout)
+        if not ok:
+            console.print(f"[yellow]the server refused a token-id prompt ({escape(why)}); sending text whose "
+                          "length is verified with the tokenizer instead[/]")
+            form = "text"
+    return "chat" if form == "text" and opts.endpoint == "chat" else form
 
 
 def run_serving(opts: ServingOptions, console: Console) -> Summary:
@@ -80,15 +115,19 @@ def run_serving(opts: ServingOptions, console: Console) -> Summary:
 
         _pyplot()  # fail before the run, not after it
     base = normalize_base_url(opts.base_url)
-    api = Api(base, _model(opts, base), opts.endpoint, opts.api_key, opts.ignore_eos)
-    tok = load_tokenizer(opts.tokenizer or opts.model, required=opts.tokenizer is not None)
+    card = _model_card(opts, base)
+    api = Api(base, opts.model or card["id"], opts.endpoint, opts.api_key, opts.ignore_eos)
+    tok = _tokenizer(opts, card)
+    form = _prompt_form(opts, api, tok, console)
     requests = load_requests(opts.dataset, opts.dataset_path, opts.num_prompts, opts.random_input_len,
                              opts.random_output_len, opts.random_range_ratio, opts.seed, tok,
-                             opts.sharegpt_output_len)
+                             opts.sharegpt_output_len, form="text" if form == "chat" else form,
+                             add_special_tokens=opts.endpoint == "completions")
     load = Load(rate, opts.max_concurrency, opts.request_timeout)
     console.print(f"{len(requests)} requests ({opts.dataset}) -> {api.url} model={api.model} "
                   f"rate={rate} max_concurrency={opts.max_concurrency or 'none'} "
-                  f"tokenizer={tok.source if tok else 'none (server usage / estimates)'}")
+                  f"tokenizer={tok.source if tok else 'none (server usage / estimates)'}", highlight=False)
+    console.print(f"prompts: {_FORMS[form]}", highlight=False)
     if opts.warmup:
         warm = [requests[i % len(requests)] for i in range(opts.warmup)]
         results, _ = run_load(api, warm, Load(math.inf, opts.max_concurrency, opts.request_timeout), opts.seed, tok)
@@ -99,8 +138,11 @@ def run_serving(opts: ServingOptions, console: Console) -> Summary:
     summary = summarize(results, duration, opts.slo_ttft_ms, opts.slo_tpot_ms)
     title = f"bench serving: {api.model} @ {base}"
     render(summary, console, title)
+    for line in length_warnings(summary, form, opts.ignore_eos):
+        console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False)
     if opts.result_file is not None:
-        append_result(opts.result_file, record(summary, dataclasses.asdict(opts) | {"api_key": None}))
+        rec = record(summary, dataclasses.asdict(opts) | {"api_key": None}) | {"prompt_form": form}
+        append_result(opts.result_file, rec)
         console.print(f"result appended to {opts.result_file}")
     if opts.plot is not None:
         from dsctl.bench_serving.plot import write_plot

@@ -2,7 +2,9 @@
 
 All latencies are reported in milliseconds. TTFT, TPOT and end-to-end latency are
 per request; ITL pools every inter-chunk gap of every request. Statistics cover
-completed requests only; failed ones are counted and their errors kept.
+completed requests only; failed ones are counted and their errors kept. Token
+totals are what the server counted (usage) where it said; the lengths asked for
+are kept beside them, with the number of requests where the two differ.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ class Summary:
     slo_met: Optional[int] = None
     errors: dict = field(default_factory=dict)  # message -> count
     counted_by: dict = field(default_factory=dict)  # usage | tokenizer | estimate -> requests
+    asked_input_tokens: int = 0  # what the requests asked for (prompt lengths, max_tokens)
+    asked_output_tokens: int = 0
+    prompt_len_mismatch: int = 0  # requests whose server-counted (usage) prompt length is not the one asked
+    output_len_mismatch: int = 0  # ... whose usage completion_tokens is not max_tokens
 
 
 def meets_slo(r: RequestResult, slo_ttft_ms: Optional[float], slo_tpot_ms: Optional[float]) -> bool:
@@ -63,6 +69,10 @@ def meets_slo(r: RequestResult, slo_ttft_ms: Optional[float], slo_tpot_ms: Optio
         return False
     tpot = r.tpot
     return slo_tpot_ms is None or tpot is None or tpot * 1000.0 <= slo_tpot_ms
+
+
+def _differs(actual: int, asked: Optional[int], r: RequestResult) -> bool:
+    return r.counted_by == "usage" and asked is not None and actual != asked
 
 
 def summarize(results: list[RequestResult], duration_s: float, slo_ttft_ms: Optional[float] = None,
@@ -82,6 +92,10 @@ def summarize(results: list[RequestResult], duration_s: float, slo_ttft_ms: Opti
         e2e_ms=Stat.of([r.latency for r in ok]),
         errors=dict(Counter(r.error for r in results if not r.ok).most_common()),
         counted_by=dict(Counter(r.counted_by for r in ok)),
+        asked_input_tokens=sum(r.asked_prompt_len or 0 for r in ok),
+        asked_output_tokens=sum(r.asked_output_len or 0 for r in ok),
+        prompt_len_mismatch=sum(_differs(r.prompt_len, r.asked_prompt_len, r) for r in ok),
+        output_len_mismatch=sum(_differs(r.output_len, r.asked_output_len, r) for r in ok),
     )
     if slo_ttft_ms is not None or slo_tpot_ms is not None:
         summary.slo_met = sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in results)

@@ -1,4 +1,4 @@
-"""Benchmark output: a rich table, one JSON line appended to --result-file."""
+"""Benchmark output: a rich table, warnings about token counts, one JSON line appended to --result-file."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def render(summary: Summary, console: Console, title: str) -> None:
         ("duration (s)", f"{s.duration_s:.2f}"),
         ("completed / failed requests", f"{s.completed} / {s.failed}"),
         ("input / output tokens", f"{s.input_tokens} / {s.output_tokens}"),
+        ("input / output tokens asked", f"{s.asked_input_tokens} / {s.asked_output_tokens}"),
         ("request throughput (req/s)", f"{s.request_throughput:.2f}"),
         ("input token throughput (tok/s)", f"{s.input_throughput:.1f}"),
         ("output token throughput (tok/s)", f"{s.output_throughput:.1f}"),
@@ -51,6 +52,33 @@ def render(summary: Summary, console: Console, title: str) -> None:
         console.print(f"[red]{s.failed} failed request(s):[/]")
         for message, count in s.errors.items():
             console.print(f"  [red]{count} x[/] {escape(message)}", highlight=False)
+
+
+_PROMPT_HINTS = {
+    "ids": "the server changed the token-id prompts it was sent",
+    "text": "the prompts' lengths were verified with the benchmark's tokenizer; the server's tokenizer counts "
+            "differently (pass the server's --tokenizer)",
+    "chat": "each message has exactly the tokens asked; the server's chat template adds its own tokens",
+    "words": "no tokenizer was found, so prompts are words, not tokens: pass --tokenizer (or --model with a "
+             "registry alias) for exact lengths",
+}
+
+
+def length_warnings(summary: Summary, form: str, ignore_eos: bool) -> list[str]:
+    """Lines to print where the server's usage counts differ from the lengths asked for.
+
+    form: how prompts were made (ids, text, chat, words) or "file" (ShareGPT / JSONL prompts,
+    whose asked lengths are only estimates, so they are not compared).
+    """
+    s, lines = summary, []
+    if s.prompt_len_mismatch and form in _PROMPT_HINTS:
+        lines.append(f"{s.prompt_len_mismatch} of {s.completed} prompts differ in length from what was asked "
+                     f"(asked {s.asked_input_tokens} tokens in all, the server counted {s.input_tokens}): "
+                     f"{_PROMPT_HINTS[form]}")
+    if s.output_len_mismatch and ignore_eos:
+        lines.append(f"{s.output_len_mismatch} of {s.completed} requests got a different number of output tokens "
+                     f"than max_tokens (asked {s.asked_output_tokens} in all, got {s.output_tokens})")
+    return lines
 
 
 def record(summary: Summary, flags: dict) -> dict:

@@ -69,16 +69,14 @@ def run_load(api: Api, requests: list[BenchRequest], load: Load, seed: int,
     return asyncio.run(_run(api, requests, load, seed, tok))
 
 
-async def _first_model(base_url: str, api_key: Optional[str]) -> str:
+def first_model_card(base_url: str, api_key: Optional[str]) -> dict:
+    """The first model the server lists at /v1/models: {"id": ..., and "root" where the server says}."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=30.0) as client:
-        response = await client.get(f"{base_url}/v1/models", headers=headers)
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
-
-
-def discover_model(base_url: str, api_key: Optional[str]) -> str:
-    """The first model the server lists at /v1/models."""
-    return asyncio.run(_first_model(base_url, api_key))
+    response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0)
+    response.raise_for_status()
+    card = response.json()["data"][0]
+    if not isinstance(card.get("id"), str):
+        raise ValueError("the first model card has no id")
+    return card

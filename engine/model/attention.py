@@ -11,7 +11,9 @@ rotated shared rope key k_pe (qk_rope_head_dim). Two ways to attend:
 
 Backends implement `begin_forward` (per-forward planning), `extend` and `decode`;
 `TorchAttentionBackend` is the reference the Triton/FlashInfer backends are
-checked against.
+checked against. A layer finds the backend, the KV pool, the request table and
+the rope table in the `ForwardContext` passed down the forward
+(engine/model/context.py); backends are chosen by name in engine/model/backends.py.
 """
 
 from __future__ import annotations
@@ -23,9 +25,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.memory.pools import KVPool, ReqToTokenPool
+from engine.model.context import ForwardContext
 from engine.model.layers import Linear, RMSNorm
-from engine.model.rope import RotaryEmbedding
 
 
 class MLA(nn.Module):
@@ -77,7 +78,7 @@ class MLA(nn.Module):
         kv = self.kv_b_proj(c_kv).view(-1, self.num_heads, self.nope + self.v_dim)
         return kv[..., : self.nope], kv[..., self.nope:]
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, ctx: "AttentionContext") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         if hasattr(self, "q_a_proj"):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -92,38 +93,30 @@ class MLA(nn.Module):
         k_pe = ctx.rotary.apply(k_pe, fb.positions)
         ctx.kv_pool.write(self.layer_id, fb.out_cache_loc, torch.cat((c_kv, k_pe), dim=-1))
         if fb.mode.is_decode:
-            out = ctx.backend.decode(self, q_nope, q_pe, fb, ctx)
+            out = ctx.attn_backend.decode(self, q_nope, q_pe, fb, ctx)
         else:
-            out = ctx.backend.extend(self, q_nope, q_pe, c_kv, k_pe, fb, ctx)
+            out = ctx.attn_backend.extend(self, q_nope, q_pe, c_kv, k_pe, fb, ctx)
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
 
 
 class AttentionBackend(Protocol):
-    def begin_forward(self, fb: ForwardBatch, ctx: "AttentionContext", graph_bs: int | None = None) -> None:
+    def begin_forward(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: int | None = None) -> None:
         """Host-side set-up once per forward, before any layer runs (graph_bs: the CUDA graph's padded size)."""
 
-    def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: "AttentionContext") -> torch.Tensor:
+    def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """New tokens' attention output [T, H, v]."""
 
-    def decode(self, layer: MLA, q_nope, q_pe, fb: ForwardBatch, ctx: "AttentionContext") -> torch.Tensor:
+    def decode(self, layer: MLA, q_nope, q_pe, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """One token per request; output [B, H, v]."""
-
-
-class AttentionContext:
-    """What the attention layers share during a forward: cache, tables, rope, backend."""
-
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, rotary: RotaryEmbedding,
-                 backend: AttentionBackend):
-        self.kv_pool, self.req_to_token, self.rotary, self.backend = kv_pool, req_to_token, rotary, backend
 
 
 class TorchAttentionBackend:
     """Reference MLA attention in plain torch: one request at a time, float32 softmax."""
 
-    def begin_forward(self, fb: ForwardBatch, ctx: AttentionContext, graph_bs: int | None = None) -> None:
+    def begin_forward(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: int | None = None) -> None:
         pass  # reads lengths from fb as it goes
 
-    def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: AttentionContext):
+    def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: ForwardContext):
         out = q_nope.new_empty(q_nope.shape[0], layer.num_heads, layer.v_dim)
         start = 0
         for i, (n, prefix) in enumerate(zip(fb.extend_lens_cpu, fb.prefix_lens_cpu)):
@@ -146,7 +139,7 @@ class TorchAttentionBackend:
             start += n
         return out
 
-    def decode(self, layer: MLA, q_nope, q_pe, fb: ForwardBatch, ctx: AttentionContext):
+    def decode(self, layer: MLA, q_nope, q_pe, fb: ForwardBatch, ctx: ForwardContext):
         q_lat = torch.einsum("bhn,hnc->bhc", q_nope.float(), layer.w_kc.float())
         out_lat = torch.empty_like(q_lat)
         for i, seq_len in enumerate(fb.seq_lens_cpu):

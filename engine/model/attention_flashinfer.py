@@ -27,8 +27,9 @@ import torch
 
 from engine.errors import UsageError
 from engine.forward_batch import ForwardBatch
-from engine.model.attention import MLA, AttentionContext
+from engine.model.attention import MLA
 from engine.model.attention_triton import TritonAttentionBackend, absorbed_query, latent_to_values
+from engine.model.context import ForwardContext
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class FlashInferAttentionBackend:
         self._warned_fallback = False
 
     # ---- planning (host side, once per forward) -------------------------------------------
-    def begin_forward(self, fb: ForwardBatch, ctx: AttentionContext, graph_bs: Optional[int] = None) -> None:
+    def begin_forward(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: Optional[int] = None) -> None:
         """Plan the wrapper for this batch; with graph_bs, the CUDA-graph wrapper of that padded size."""
         if fb.batch_size == 0:
             self.active = None
@@ -125,7 +126,7 @@ class FlashInferAttentionBackend:
             self._plan_copied = self._plan_copied or torch.cuda.Event()
             self._plan_copied.record()
 
-    def _plan(self, fb: ForwardBatch, ctx: AttentionContext, graph_bs: Optional[int]) -> None:
+    def _plan(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: Optional[int]) -> None:
         wrapper = self.eager if graph_bs is None else self._graph_wrapper(graph_bs)
         qo_indptr, kv_indptr, kv_lens = csr_lengths(fb.extend_lens_cpu, fb.seq_lens_cpu, self.device.type == "cuda")
         total = int(kv_indptr[-1])
@@ -187,7 +188,7 @@ class FlashInferAttentionBackend:
             self._warned_fallback = True
 
     # ---- attention --------------------------------------------------------------------------
-    def _run(self, layer: MLA, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def _run(self, layer: MLA, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q_lat = absorbed_query(layer, q_nope).to(self.q_dtype).contiguous()
         cache = ctx.kv_pool.buffer[layer.layer_id].unsqueeze(1)  # [slots, page_size 1, kv_lora + rope]
         out_lat = self.active.run(query=(q_lat, q_pe.to(self.q_dtype).contiguous()), kv_cache=cache,
@@ -195,11 +196,11 @@ class FlashInferAttentionBackend:
         return latent_to_values(layer, out_lat.to(q_nope.dtype))
 
     @torch.compiler.disable
-    def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: AttentionContext):
+    def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: ForwardContext):
         if self.active is None:
             return self.fallback.extend(layer, q_nope, q_pe, c_kv, k_pe, fb, ctx)
         return self._run(layer, q_nope, q_pe, ctx)
 
     @torch.compiler.disable
-    def decode(self, layer: MLA, q_nope, q_pe, fb: ForwardBatch, ctx: AttentionContext):
+    def decode(self, layer: MLA, q_nope, q_pe, fb: ForwardBatch, ctx: ForwardContext):
         return self._run(layer, q_nope, q_pe, ctx)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.model.attention import MLA, AttentionContext
+from engine.model.attention import MLA
+from engine.model.context import ForwardContext
 
 
 def absorbed_query(layer: MLA, q_nope: torch.Tensor) -> torch.Tensor:
@@ -42,11 +43,11 @@ class TritonAttentionBackend:
     def __init__(self, num_kv_splits: int | None = None):
         self.num_kv_splits = num_kv_splits
 
-    def begin_forward(self, fb: ForwardBatch, ctx: AttentionContext, graph_bs: int | None = None) -> None:
+    def begin_forward(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: int | None = None) -> None:
         pass  # the kernels read lengths from device tensors: nothing to plan
 
     @torch.compiler.disable
-    def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: AttentionContext):
+    def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: ForwardContext):
         from kernels.mla_extend import extend_attention
 
         t, h = q_nope.shape[:2]
@@ -57,7 +58,7 @@ class TritonAttentionBackend:
         return extend_attention(q, k, v.contiguous(), kp, vp, fb.extend_lens, fb.prefix_lens, layer.scale,
                                 max_extend_len=max(fb.extend_lens_cpu, default=0))
 
-    def _prefix_kv(self, layer: MLA, fb: ForwardBatch, ctx: AttentionContext, dtype):
+    def _prefix_kv(self, layer: MLA, fb: ForwardBatch, ctx: ForwardContext, dtype):
         h, dqk = layer.num_heads, layer.nope + layer.rope_dim
         if not any(fb.prefix_lens_cpu):
             empty = torch.empty(0, h, dqk, dtype=dtype, device=ctx.kv_pool.buffer.device)
@@ -70,7 +71,7 @@ class TritonAttentionBackend:
         return torch.cat((k_nope, k_pe), dim=-1), v.contiguous()
 
     @torch.compiler.disable
-    def decode(self, layer: MLA, q_nope, q_pe, fb: ForwardBatch, ctx: AttentionContext):
+    def decode(self, layer: MLA, q_nope, q_pe, fb: ForwardBatch, ctx: ForwardContext):
         from kernels.mla_decode import mla_decode
 
         q_lat = absorbed_query(layer, q_nope)

@@ -1,4 +1,8 @@
-"""The DeepSeek-V2/V3 causal LM (and its MTP/NextN layer) over packed forward batches."""
+"""The DeepSeek-V2/V3 causal LM (and its MTP/NextN layer) over packed forward batches.
+
+Every forward takes the runner's `ForwardContext` (engine/model/context.py) and passes it
+to each decoder layer, which hands it to its attention and, for MoE layers, to its MoE.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.model.attention import MLA, AttentionContext
+from engine.model.attention import MLA
+from engine.model.context import ForwardContext
 from engine.model.layers import MLP, Linear, RMSNorm
 from engine.model.moe import MoE
 
@@ -19,11 +24,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = MLA(cfg, cache_layer, dtype, fp8_block)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.is_moe = moe
         self.mlp = MoE(cfg, dtype, fp8_block) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), fb, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, ctx) if self.is_moe else self.mlp(h))
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -39,7 +46,7 @@ class DeepseekForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
 
-    def hidden_states(self, fb: ForwardBatch, ctx: AttentionContext) -> torch.Tensor:
+    def hidden_states(self, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """Final pre-norm hidden states [T, hidden] of every token in the batch."""
         x = F.embedding(fb.input_ids, self.embed_tokens)
         for layer in self.layers:
@@ -71,7 +78,7 @@ class MTPLayer(nn.Module):
         self.embed_tokens = None  # set to the main model's unless the checkpoint has its own
         self.head = None
 
-    def forward(self, fb: ForwardBatch, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] for fb.input_ids (the next tokens) and fb.spec_hidden."""
         e = self.enorm(F.embedding(fb.input_ids, self.embed_tokens))
         x = self.eh_proj(torch.cat((e, self.hnorm(fb.spec_hidden)), dim=-1))

@@ -1,4 +1,8 @@
-"""Building blocks: RMSNorm, linear layers (plain or block-FP8 weights), dense MLP."""
+"""Building blocks: RMSNorm, linear layers (plain or block-FP8 weights), dense MLP.
+
+Block-FP8 shapes and dequantisation come from kernels/fp8_math.py; the FP8 product
+itself is engine/model/fp8_ops.py.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FP8_DTYPE = torch.float8_e4m3fn
+from kernels.fp8_math import FP8_DTYPE, block_scale_shape, dequant_block_fp8
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,15 +30,6 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Exact block dequantisation: weight * scale, one scale per (block_n x block_k) tile."""
-    bn, bk = block
-    n, k = weight.shape[-2:]
-    s = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-    return (weight.float() * s).to(dtype)
-
-
 class Linear(nn.Module):
     """y = x @ W.T with W either in the model dtype or block-FP8 (+ float32 weight_scale_inv)."""
 
@@ -47,11 +42,9 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
             self.weight_scale_inv = None
         else:
-            bn, bk = fp8_block
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
-            self.weight_scale_inv = nn.Parameter(
-                torch.empty(-(-out_features // bn), -(-in_features // bk), dtype=torch.float32), requires_grad=False
-            )
+            scale_shape = block_scale_shape((out_features, in_features), fp8_block)
+            self.weight_scale_inv = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32), requires_grad=False)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in a plain dtype (dequantised when FP8)."""

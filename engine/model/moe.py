@@ -2,7 +2,9 @@
 
 Routed expert weights are stacked for grouped kernels: w13 [E, 2N, K] (gate rows
 then up rows) and w2 [E, K, N]; FP8 checkpoints add block scales. The experts
-computation goes through a backend (`TorchMoEBackend` here is the reference).
+computation goes through the MoE backend of the `ForwardContext` passed to
+`MoE.forward` (`TorchMoEBackend`, the reference, or `TritonMoEBackend`, the fused
+kernel; chosen by name in engine/model/backends.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.layers import FP8_DTYPE, MLP
+from engine.model.context import ForwardContext
+from engine.model.layers import MLP
+from kernels.fp8_math import FP8_DTYPE, WEIGHT_BLOCK, block_scale_shape
 
 
 @torch.compiler.disable
@@ -51,20 +55,19 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * n, k, dtype=wdtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, k, n, dtype=wdtype), requires_grad=False)
         if fp8_block:
-            bn, bk = fp8_block
-            self.w13_scale = nn.Parameter(torch.empty(e, -(-2 * n // bn), -(-k // bk)), requires_grad=False)
-            self.w2_scale = nn.Parameter(torch.empty(e, -(-k // bn), -(-n // bk)), requires_grad=False)
+            self.w13_scale = nn.Parameter(torch.empty(block_scale_shape(self.w13.shape, fp8_block)),
+                                          requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.empty(block_scale_shape(self.w2.shape, fp8_block)), requires_grad=False)
         else:
             self.w13_scale = self.w2_scale = None
         self.shared_experts = (
             MLP(k, n * cfg.n_shared_experts, dtype, fp8_block) if cfg.n_shared_experts else None
         )
-        self.backend: MoEBackend = TorchMoEBackend()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate_weight.float())
         weights, ids = select_experts(logits, self.cfg, self.e_score_correction_bias)
-        out = self.backend.experts(self, x, weights, ids)
+        out = ctx.moe_backend.experts(self, x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -77,7 +80,7 @@ class TorchMoEBackend:
         from kernels.fused_moe import fused_moe_ref
 
         return fused_moe_ref(x, moe.w13, moe.w2, ids, weights, w13_scale=moe.w13_scale, w2_scale=moe.w2_scale,
-                             block_shape=moe.fp8_block or (128, 128))
+                             block_shape=moe.fp8_block or WEIGHT_BLOCK)
 
 
 class TritonMoEBackend:
@@ -88,4 +91,4 @@ class TritonMoEBackend:
         from kernels.fused_moe import fused_moe
 
         return fused_moe(x, moe.w13, moe.w2, ids, weights, w13_scale=moe.w13_scale, w2_scale=moe.w2_scale,
-                         block_shape=moe.fp8_block or (128, 128))
+                         block_shape=moe.fp8_block or WEIGHT_BLOCK)

@@ -45,7 +45,7 @@ class RequestMemory:
     def match(self, req: Request) -> None:
         """Reuse the cached prefix of req's tokens (locking it). At most len-1 tokens match, so the
         prefill computes at least the last token (its logits give the next token)."""
-        ids = req.all_ids
+        ids = req.token_ids
         if self.cache is None or req.wants_prompt_logprobs or len(ids) < 2:
             req.slots, req.last_node = _EMPTY, None
         else:
@@ -61,7 +61,7 @@ class RequestMemory:
 
     def reserve(self, req: Request) -> bool:
         """A table row and slots for every not-yet-cached token of req (after `match`)."""
-        need = len(req.all_ids) - req.prefix_len
+        need = len(req.token_ids) - req.prefix_len
         if self.table.available() == 0 or not self.make_room(need):
             return False
         req.row = self.table.alloc()
@@ -92,7 +92,7 @@ class RequestMemory:
         if self.cache is None:
             return
         k = req.kv_len
-        ids = req.all_ids[:k]
+        ids = req.token_ids[:k]
         present = self.cache.insert(ids, req.slots[:k])
         if present > req.prefix_len:
             self.pool.free(req.slots[req.prefix_len:present])
@@ -111,9 +111,9 @@ class RequestMemory:
             if req.last_node is not None:
                 self.unmatch(req)
             return
-        k = min(req.kv_len, len(req.all_ids))
+        k = min(req.kv_len, len(req.token_ids))
         if self.cache is not None:
-            present = self.cache.insert(req.all_ids[:k], req.slots[:k])
+            present = self.cache.insert(req.token_ids[:k], req.slots[:k])
             self.pool.free(req.slots[req.prefix_len:present])  # duplicates of what the cache already had
             self.pool.free(req.slots[k:])  # reserved but never computed
             if req.last_node is not None:

@@ -23,7 +23,7 @@ def order_waiting(waiting: deque[Request], policy: str, cache: Optional[RadixCac
     if policy != "lpm" or cache is None or len(waiting) < 2 or len(waiting) > LPM_MAX_QUEUE:
         return
     def matched(req: Request) -> int:
-        ids = req.all_ids
+        ids = req.token_ids
         return 0 if req.wants_prompt_logprobs else cache.match_length(ids, len(ids) - 1)
     ordered = sorted(waiting, key=matched, reverse=True)
     waiting.clear()

@@ -1,4 +1,11 @@
-"""One generation request and its state while it is scheduled."""
+"""One generation request and its state while it is scheduled.
+
+Token storage is one growing list: `token_ids` holds the prompt followed by every
+generated token, and is only ever appended to (O(1) per token). The prompt is
+`token_ids[:prompt_len]`; `num_output` counts generated tokens without building a
+list. Log-probs and text are not kept here: they leave as deltas
+(engine/scheduler/output.py) when the output processor appends a token.
+"""
 
 from __future__ import annotations
 
@@ -13,16 +20,12 @@ from engine.sampling import SamplingParams
 @dataclass
 class Request:
     rid: str
-    prompt_ids: list[int]
+    token_ids: list[int]  # the prompt, then each generated token
+    prompt_len: int
     params: SamplingParams
     generator: Optional[torch.Generator] = None
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    prompt_logprobs: Optional[list[Optional[float]]] = None
     finish_reason: Optional[str] = None  # stop | length | abort
     matched_stop: Optional[object] = None  # the stop string or token id that ended it
-    text: str = ""  # decoded output (cut before a matched stop string)
     # KV memory: the request-table row and the slots reserved for its tokens, in order.
     # slots[:kv_len] hold computed (or launched) KV; slots[:prefix_len] belong to the radix
     # cache and are locked through `last_node`; the rest belong to the request.
@@ -35,21 +38,34 @@ class Request:
     cached_tokens: int = 0
     admitted: int = 0  # times admitted (more than once after a retraction)
     retracted: int = 0
-    # Overlap scheduling: tokens sampled on the device but not yet appended to output_ids,
+    # Overlap scheduling: tokens sampled on the device but not yet appended to token_ids,
     # and the row of the newest one in that step's sampled-token tensor.
     pending: int = 0
     pending_row: int = -1
-    # Prompt log-probs gathered chunk by chunk during a chunked prefill.
+    # Prompt log-probs: gathered chunk by chunk during a chunked prefill, done after the last chunk.
     prompt_lp_partial: list[float] = field(default_factory=list)
+    prompt_lp_done: bool = False
+    # Incremental stop-string matching (engine/scheduler/stops.py), made on the first token.
+    stop_matcher: Optional[object] = None
+
+    @classmethod
+    def new(cls, rid: str, prompt_ids: list[int], params: SamplingParams,
+            generator: Optional[torch.Generator] = None) -> "Request":
+        return cls(rid=rid, token_ids=list(prompt_ids), prompt_len=len(prompt_ids), params=params,
+                   generator=generator)
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.prompt_len]
 
     @property
-    def cached(self) -> int:
-        """Tokens whose KV is computed (or being computed by the step in flight)."""
-        return self.kv_len
+    def output_ids(self) -> list[int]:
+        """The generated tokens (a copy: use `num_output` for the count)."""
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
 
     @property
     def finished(self) -> bool:
@@ -57,4 +73,4 @@ class Request:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return bool(self.params.prompt_logprobs) and self.prompt_logprobs is None
+        return bool(self.params.prompt_logprobs) and not self.prompt_lp_done

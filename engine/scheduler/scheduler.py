@@ -25,23 +25,34 @@ in step N-1 may have had one more token computed in step N: it is discarded.
 Requests that will certainly stop at max_new_tokens are left out of the next
 launch. Before retracting, the pending results are processed first. Without
 overlap every step processes its own results before returning.
+
+Results: the scheduler only decides what runs and launches it. Resolved samples
+and prompt log-probs go to the `OutputProcessor` (processor.py), which updates
+the requests (tokens, stops, finish) and gathers the per-request deltas that
+`take_outputs()` hands to the caller (the server's engine loop or the offline
+Engine). Finishes decided here (abort, KV pool too small, max_new_tokens 0) go
+through it too, so every finish produces its delta. Prompts are checked by
+`prompt_check.check_prompt`, the same check the server runs.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from engine.errors import RequestError
+from engine.args import EngineArgs
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.runner import ModelRunner
-from engine.scheduler.memory import RequestMemory
-from engine.scheduler.policy import POLICIES, order_waiting
-from engine.scheduler.request import Request
 from engine.sampling import PendingSample, sample_async
+from engine.scheduler.memory import RequestMemory
+from engine.scheduler.output import RequestOutput
+from engine.scheduler.policy import POLICIES, order_waiting
+from engine.scheduler.processor import OutputProcessor
+from engine.scheduler.prompt_check import PromptLimits, check_prompt
+from engine.scheduler.request import Request
 
 
 @dataclass
@@ -61,36 +72,30 @@ class _Chunk:
 
     @property
     def final(self) -> bool:
-        return self.end == len(self.req.all_ids)
+        return self.end == len(self.req.token_ids)
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, decode_text: Callable[[list[int], bool], str], eos_ids: set[int],
-                 max_prefill_tokens: Optional[int] = None, chunked_prefill_size: Optional[int] = None,
-                 enable_radix_cache: Optional[bool] = None, schedule_policy: Optional[str] = None,
-                 enable_overlap: Optional[bool] = None):
-        args = runner.args
-        pick = lambda v, name, default: v if v is not None else getattr(args, name, default)  # noqa: E731
+    def __init__(self, runner: ModelRunner, outputs: OutputProcessor, args: Optional[EngineArgs] = None):
+        """Scheduling flags come from `args` (default: the runner's)."""
+        args = args or runner.args
         self.runner = runner
-        self.decode_text = decode_text
-        self.eos_ids = eos_ids
-        self.max_prefill_tokens = pick(max_prefill_tokens, "max_prefill_tokens", 16384)
-        chunk = pick(chunked_prefill_size, "chunked_prefill_size", None)
+        self.outputs = outputs
+        self.limits = PromptLimits(runner.max_model_len, runner.config.vocab_size, runner.kv_pool.size)
+        self.max_running = runner.args.max_running_requests  # the request table is sized by the runner's
+        self.max_prefill_tokens = args.max_prefill_tokens
+        chunk = args.chunked_prefill_size
         self.chunked_prefill_size = chunk if chunk is not None and chunk > 0 else None
-        if enable_radix_cache is None:
-            enable_radix_cache = not getattr(args, "disable_radix_cache", False)
-        self.schedule_policy = pick(schedule_policy, "schedule_policy", "fcfs")
+        self.schedule_policy = args.schedule_policy
         if self.schedule_policy not in POLICIES:
             raise ValueError(f"unknown schedule policy {self.schedule_policy!r}")
-        self.overlap = enable_overlap if enable_overlap is not None else \
-            not getattr(args, "disable_overlap_schedule", False)
-        self.mem = RequestMemory(runner.kv_pool, runner.req_to_token, enable_radix_cache)
+        self.overlap = not args.disable_overlap_schedule
+        self.mem = RequestMemory(runner.kv_pool, runner.req_to_token, not args.disable_radix_cache)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # requests that decode (their prompt is prefilled)
         self.prefilling: Optional[Request] = None  # a long prompt between two chunks
         self._pending: Optional[Launch] = None
         self._last_was_extend = False
-        self._touched: list[Request] = []
         self._counters = {"prompt_tokens": 0, "prefix_cache_hit_tokens": 0, "retracted_requests": 0,
                           "extend_steps": 0, "decode_steps": 0}
 
@@ -101,44 +106,33 @@ class Scheduler:
 
     # ---- public ------------------------------------------------------------
     def add(self, req: Request) -> None:
-        limit = self.runner.max_model_len
-        n = len(req.prompt_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        if n >= limit:
-            raise RequestError(f"the prompt has {n} tokens; this model's context is {limit} tokens "
-                               "(prompt + at least one generated token)")
-        vocab = self.runner.config.vocab_size
-        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
-        if n > self.runner.kv_pool.size:
-            raise RequestError(f"the prompt has {n} tokens but the KV cache holds only {self.runner.kv_pool.size}")
+        """Queue a request (a bad prompt raises PromptError; max_new_tokens 0 finishes at once)."""
+        check_prompt(req.prompt_ids, self.limits)
         if req.params.max_new_tokens == 0:
-            req.finish_reason = "length"
+            self.outputs.finish(req, "length")
+            return
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling is not None or self._pending is not None)
 
     def abort(self, rid: str) -> None:
-        for req in list(self.waiting):
-            if req.rid == rid:
-                self.waiting.remove(req)
-                req.finish_reason = "abort"
+        self._abort(lambda req: req.rid == rid)
+
+    def abort_all(self) -> None:
+        self._abort(lambda req: True)
+
+    def _abort(self, which) -> None:
+        for req in [r for r in self.waiting if which(r)]:
+            self.waiting.remove(req)
+            self.outputs.finish(req, "abort")
         for req in self._active():
-            if req.rid == rid and not req.finished:
-                req.finish_reason = "abort"
+            if which(req) and not req.finished:
+                self.outputs.finish(req, "abort")
         self._release_finished()
 
-    def step(self) -> list[Request]:
-        """Run one forward; return the requests that got a token (or finished) in the results processed now.
-
-        With overlap those are the results of the previous step's forward.
-        """
-        self._touched = [r for r in self.waiting if r.finished]
-        for r in self._touched:
-            self.waiting.remove(r)
+    def step(self) -> None:
+        """Run one forward and process the results due now (with overlap: those of the previous forward)."""
         launch = self._schedule_and_launch()
         if self.overlap:
             previous, self._pending = self._pending, launch
@@ -147,8 +141,10 @@ class Scheduler:
         elif launch is not None:
             self._process(launch)
         self._release_finished()
-        touched, self._touched = self._touched, []
-        return touched
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """Per-request deltas since the last call (new tokens, prompt log-probs, finishes)."""
+        return self.outputs.take()
 
     def stats(self) -> dict:
         """Prefix-cache and scheduling figures (cumulative counters since start)."""
@@ -162,12 +158,9 @@ class Scheduler:
             **c,
         }
 
-    def flush(self) -> list[Request]:
-        """Process the results of the step in flight (overlap), if any; return the requests touched."""
-        self._touched = []
+    def flush(self) -> None:
+        """Process the results of the step in flight (overlap), if any."""
         self._sync()
-        touched, self._touched = self._touched, []
-        return touched
 
     def flush_cache(self) -> int:
         """Evict every cached prefix (only when idle); return the tokens freed, or -1 while requests run."""
@@ -182,10 +175,10 @@ class Scheduler:
 
     def _decodable(self) -> list[Request]:
         """Running requests that need another token (those sure to stop at max_new_tokens are left out)."""
-        limit = self.runner.max_model_len
+        limit = self.limits.max_model_len
         return [r for r in self.running if not r.finished
-                and len(r.output_ids) + r.pending < r.params.max_new_tokens
-                and len(r.all_ids) + r.pending < limit]
+                and r.num_output + r.pending < r.params.max_new_tokens
+                and len(r.token_ids) + r.pending < limit]
 
     def _schedule_and_launch(self) -> Optional[Launch]:
         decodable = self._decodable()
@@ -211,22 +204,19 @@ class Scheduler:
         budget, chunks, chunking = self._step_budget(), [], self.chunked_prefill_size is not None
         if self.prefilling is not None:
             req = self.prefilling
-            end = min(len(req.all_ids), req.kv_len + budget)
+            end = min(len(req.token_ids), req.kv_len + budget)
             chunks.append(_Chunk(req, req.kv_len, end))
             budget -= end - req.kv_len
-            if end < len(req.all_ids):
+            if end < len(req.token_ids):
                 return chunks
         order_waiting(self.waiting, self.schedule_policy, self.cache)
-        slots_left = self.runner.args.max_running_requests - len(self._active())
+        slots_left = self.max_running - len(self._active())
         while self.waiting and slots_left > 0:
             if chunking and budget <= 0:
                 break
             req = self.waiting[0]
-            if req.finished:  # aborted while waiting
-                self.waiting.popleft()
-                continue
             self.mem.match(req)
-            need = len(req.all_ids) - req.prefix_len
+            need = len(req.token_ids) - req.prefix_len
             reserve = decoding + len(chunks) + 1  # one decode slot each for the next step
             if (not chunking and chunks and need > budget) or self.mem.headroom() - reserve < need \
                     or not self.mem.reserve(req):
@@ -235,17 +225,18 @@ class Scheduler:
             self.waiting.popleft()
             slots_left -= 1
             self._count_admission(req)
-            end = len(req.all_ids) if not chunking else min(len(req.all_ids), req.kv_len + budget)
+            total = len(req.token_ids)
+            end = total if not chunking else min(total, req.kv_len + budget)
             chunks.append(_Chunk(req, req.kv_len, end))
             budget -= end - req.kv_len
-            if end < len(req.all_ids):
+            if end < total:
                 break  # one chunked prompt at a time; it takes the rest of the budget
         return chunks
 
     def _count_admission(self, req: Request) -> None:
         if req.admitted == 0:
             req.cached_tokens = req.prefix_len
-            self._counters["prompt_tokens"] += len(req.prompt_ids)
+            self._counters["prompt_tokens"] += req.prompt_len
             self._counters["prefix_cache_hit_tokens"] += req.prefix_len
         req.admitted += 1
         if req.wants_prompt_logprobs:
@@ -268,8 +259,7 @@ class Scheduler:
                 self.prefilling = None
             else:
                 for req in self.running:  # a single request that fills the whole KV pool
-                    req.finish_reason = "length"
-                    self._touched.append(req)
+                    self.outputs.finish(req, "length")
                 self._release_finished()
                 return []
 
@@ -298,7 +288,7 @@ class Scheduler:
         ids, rows, prefix_lens, extend_lens, logits_idx, start = [], [], [], [], [], 0
         for c in chunks:
             n = c.end - c.start
-            ids += c.req.all_ids[c.start:c.end]
+            ids += c.req.token_ids[c.start:c.end]
             rows.append(c.req.row)
             prefix_lens.append(c.start)
             extend_lens.append(n)
@@ -315,7 +305,8 @@ class Scheduler:
         for c in chunks:
             req, n = c.req, c.end - c.start
             if req.wants_prompt_logprobs:
-                targets = req.prompt_ids[c.start + 1:c.end + 1]  # the last prompt token predicts no prompt token
+                # the last prompt token predicts no prompt token
+                targets = req.token_ids[c.start + 1:min(c.end + 1, req.prompt_len)]
                 logp = torch.log_softmax(out.logits[row:row + len(targets)], dim=-1)
                 tgt = torch.tensor(targets, device=logp.device, dtype=torch.int64)
                 launch.prompt_lp.append((req, logp.gather(1, tgt[:, None])[:, 0], c.final))
@@ -342,7 +333,7 @@ class Scheduler:
     def _launch_decode(self, reqs: list[Request]) -> Launch:
         slots = self.mem.append_decode_slots(reqs)
         positions = [r.kv_len - 1 for r in reqs]
-        host_ids = [r.all_ids[p] if not r.pending else 0 for r, p in zip(reqs, positions)]
+        host_ids = [r.token_ids[p] if not r.pending else 0 for r, p in zip(reqs, positions)]
         fb = ForwardBatch.build(ForwardMode.DECODE, host_ids, [r.row for r in reqs], positions, [1] * len(reqs),
                                 slots, list(range(len(reqs))), self.runner.device)
         if any(r.pending for r in reqs):
@@ -368,37 +359,10 @@ class Scheduler:
     # ---- results ---------------------------------------------------------------
     def _process(self, launch: Launch) -> None:
         for req, lp, final in launch.prompt_lp:
-            req.prompt_lp_partial += lp.tolist()
-            if final:
-                req.prompt_logprobs = [None] + req.prompt_lp_partial
-                req.prompt_lp_partial = []
+            self.outputs.prompt_logprobs(req, lp, final)
         if launch.sample is None:
             return
         res = launch.sample.resolve()
-        for req, tok, lp, top in zip(launch.sampled, res.tokens, res.logprobs, res.top):
+        for req in launch.sampled:
             req.pending -= 1
-            if req.finished:
-                continue  # stopped (or aborted) before this token was processed: discard it
-            req.output_ids.append(tok)
-            req.output_logprobs.append(lp)
-            req.output_top_logprobs.append(top)
-            self._check_finish(req, tok)
-            self._touched.append(req)
-
-    def _check_finish(self, req: Request, tok: int) -> None:
-        p = req.params
-        if not p.ignore_eos and tok in self.eos_ids:
-            req.finish_reason, req.matched_stop = "stop", tok
-        elif tok in p.stop_token_ids:
-            req.finish_reason, req.matched_stop = "stop", tok
-        elif p.stop:
-            text = self.decode_text(req.output_ids, p.skip_special_tokens)
-            hits = [(text.find(s), s) for s in p.stop if s and s in text]
-            if hits:
-                pos, s = min(hits)
-                req.finish_reason, req.matched_stop, req.text = "stop", s, text[:pos]
-                return
-        if req.finish_reason is None and (
-            len(req.output_ids) >= p.max_new_tokens or len(req.all_ids) >= self.runner.max_model_len
-        ):
-            req.finish_reason = "length"
+        self.outputs.process(launch.sampled, res)

@@ -2,12 +2,16 @@
 
     serving process                               engine process (spawned)
     ---------------                               ------------------------
-    uvicorn + starlette routes (app.py)           EngineLoop (engine_process.py)
-    pydantic request checks (schemas.py)            Engine -> Scheduler -> ModelRunner
-    tokenizer / chat template (inputs.py)         drains AddRequest / AbortRequest,
-    EngineClient (engine_client.py)  <--pipes-->  steps the scheduler while it has work,
-    detokenizer, stop strings, reasoning          sends RequestOutput deltas + EngineStats
-    metrics (metrics.py)
+    uvicorn + starlette routes (app.py;           EngineLoop (engine_process.py)
+      endpoint.py: the skeleton the completion      Engine -> Scheduler -> ModelRunner
+      and chat routes share)                      drains AddRequest / AbortRequest,
+    pydantic request checks (schemas.py)          steps the scheduler while it has work,
+    tokenizer / chat template (inputs.py)         sends the output processor's
+    EngineClient (engine_client.py)  <--pipes-->  RequestOutput deltas + EngineStats
+    Sequence: deltas -> text (generation.py),
+    reasoning split, metrics (metrics.py)
 
+Prompts are checked with the engine's own check (engine/scheduler/prompt_check.py);
+the deltas are the ones the offline Engine collects (engine/scheduler/output.py).
 `serve(args)` (serve.py) runs it all; `dsctl serve` calls it.
 """

@@ -2,7 +2,9 @@
 
 With `--reasoning-parser deepseek-r1` (and the request's `separate_reasoning`,
 default true) the `<think>` section goes to `reasoning_content`, in whole
-responses and in streamed deltas alike.
+responses and in streamed deltas alike. The request/response skeleton (parse,
+submit, wait or stream, framing) is endpoint.py's, shared with /v1/completions;
+this module plans the generation and shapes the choices.
 """
 
 from __future__ import annotations
@@ -11,20 +13,20 @@ from dataclasses import dataclass
 from typing import Optional
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
-from engine.server.errors import APIError, server_error
-from engine.server.formatting import SSE_DONE, TokenText, chat_logprobs, new_id, now, sse
+from engine.server.endpoint import ChunkFn, Endpoint, respond
+from engine.server.errors import APIError
+from engine.server.formatting import TokenText, chat_logprobs
 from engine.server.generation import Generation, Sequence
 from engine.server.inputs import base_params, chat_prompt, check_prompt, choice_params, max_new_tokens
 from engine.server.reasoning import ReasoningParser
-from engine.server.schemas import ChatRequest, parse_body
-from engine.server.state import ServerState, until_disconnect
+from engine.server.schemas import ChatRequest
+from engine.server.state import ServerState
 
 
 @dataclass
 class _Plan:
-    req: ChatRequest
     gen: Generation
     reasoning: Optional[str]  # parser name, or None
     logprobs: bool
@@ -45,7 +47,7 @@ def _plan(state: ServerState, req: ChatRequest) -> _Plan:
     n = req.n or 1
     seqs = [Sequence(ids, choice_params(base, mt, req.seed, j), state.tokenizer) for j in range(n)]
     parser = state.args.reasoning_parser if req.separate_reasoning is not False else None
-    return _Plan(req, Generation(state.client, seqs, state.metrics), parser, bool(req.logprobs))
+    return _Plan(Generation(state.client, seqs, state.metrics), parser, bool(req.logprobs))
 
 
 def _message(plan: _Plan, seq: Sequence) -> dict:
@@ -56,64 +58,46 @@ def _message(plan: _Plan, seq: Sequence) -> dict:
     return msg
 
 
-async def chat_completions(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    req = parse_body(await request.body(), ChatRequest)
-    plan = _plan(state, req)
-    plan.gen.submit()
-    rid, created = new_id("chatcmpl"), now()
-    if req.stream:
-        return StreamingResponse(_stream(state, plan, rid, created), media_type="text/event-stream")
-    if not await until_disconnect(request, plan.gen.collect()):
-        return Response(status_code=499)
+def _choices(state: ServerState, plan: _Plan) -> list[dict]:
     tok = TokenText(state.tokenizer)
-    choices = [{"index": i, "message": _message(plan, s),
-                "logprobs": chat_logprobs(s, tok, 0, len(s.output_ids)) if plan.logprobs else None,
-                "finish_reason": s.finish_reason, "matched_stop": s.matched_stop}
-               for i, s in enumerate(plan.gen.sequences)]
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                         "choices": choices, "usage": plan.gen.usage})
+    return [{"index": i, "message": _message(plan, s),
+             "logprobs": chat_logprobs(s, tok, 0, len(s.output_ids)) if plan.logprobs else None,
+             "finish_reason": s.finish_reason, "matched_stop": s.matched_stop}
+            for i, s in enumerate(plan.gen.sequences)]
 
 
-async def _stream(state: ServerState, plan: _Plan, rid: str, created: int):
+async def _chunks(state: ServerState, plan: _Plan, chunk: ChunkFn):
     tok = TokenText(state.tokenizer)
     seqs = plan.gen.sequences
     sent = [0] * len(seqs)
     parsers = [ReasoningParser(plan.reasoning) if plan.reasoning else None for _ in seqs]
-    include_usage = bool(plan.req.stream_options and plan.req.stream_options.include_usage)
 
-    def chunk(i: int, delta: dict, finish: Optional[str] = None, logprobs=None) -> str:
-        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-                "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
+    def choice(i: int, delta: dict, finish: Optional[str] = None, logprobs=None) -> str:
+        return chunk([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
-    try:
-        for i in range(len(seqs)):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        async for i, text, out in plan.gen.events():
-            seq = seqs[i]
-            delta = {}
-            if parsers[i] is not None:
-                reasoning, content = parsers[i].feed(text, final=out.finished)
-                if reasoning:
-                    delta["reasoning_content"] = reasoning
-                if content:
-                    delta["content"] = content
-            elif text:
-                delta["content"] = text
-            lp = None
-            if plan.logprobs and len(seq.output_ids) > sent[i]:
-                lp = chat_logprobs(seq, tok, sent[i], len(seq.output_ids))
-                sent[i] = len(seq.output_ids)
-            if delta or lp or out.finished:
-                yield chunk(i, delta, seq.finish_reason if out.finished else None, lp)
-        if include_usage:
-            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                       "model": state.model_name, "choices": [], "usage": plan.gen.usage})
-    except APIError as exc:
-        yield sse(exc.body())
-    except Exception as exc:  # noqa: BLE001 - end the stream with an error event, not a torn connection
-        yield sse(server_error(f"internal error: {exc}").body())
-    yield SSE_DONE
+    for i in range(len(seqs)):
+        yield choice(i, {"role": "assistant", "content": ""})
+    async for i, text, out in plan.gen.events():
+        seq = seqs[i]
+        delta = {}
+        if parsers[i] is not None:
+            reasoning, content = parsers[i].feed(text, final=out.finished)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content:
+                delta["content"] = content
+        elif text:
+            delta["content"] = text
+        lp = None
+        if plan.logprobs and len(seq.output_ids) > sent[i]:
+            lp = chat_logprobs(seq, tok, sent[i], len(seq.output_ids))
+            sent[i] = len(seq.output_ids)
+        if delta or lp or out.finished:
+            yield choice(i, delta, seq.finish_reason if out.finished else None, lp)
+
+
+CHAT = Endpoint(ChatRequest, "chatcmpl", "chat.completion", "chat.completion.chunk", _plan, _choices, _chunks)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await respond(request, CHAT)

@@ -4,7 +4,9 @@ Choices are ordered prompt-major (prompt i's choices are i*n .. i*n+n-1), as in
 OpenAI's API. `echo` with `logprobs` lists the prompt tokens first with their
 log-probs (the first token has none), which is how evaluation harnesses score
 a continuation; with max_tokens 0 the engine still runs one step for the
-prompt log-probs and the generated token is dropped.
+prompt log-probs and the generated token is dropped. The request/response
+skeleton (parse, submit, wait or stream, framing) is endpoint.py's, shared with
+/v1/chat/completions; this module plans the generation and shapes the choices.
 """
 
 from __future__ import annotations
@@ -12,19 +14,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
-from engine.server.errors import APIError, server_error
-from engine.server.formatting import SSE_DONE, TokenText, completion_logprobs, new_id, now, sse
+from engine.server.endpoint import ChunkFn, Endpoint, respond
+from engine.server.formatting import TokenText, completion_logprobs
 from engine.server.generation import Generation, Sequence
 from engine.server.inputs import base_params, check_prompt, choice_params, completion_prompts, max_new_tokens
-from engine.server.schemas import CompletionRequest, parse_body
-from engine.server.state import ServerState, until_disconnect
+from engine.server.schemas import CompletionRequest
+from engine.server.state import ServerState
 
 
 @dataclass
 class _Plan:
-    req: CompletionRequest
     gen: Generation
     echo: bool
     top: "int | None"  # the logprobs value (None: no log-probs)
@@ -53,7 +54,7 @@ def _plan(state: ServerState, req: CompletionRequest) -> _Plan:
             params = choice_params(base, mt, req.seed, pi * n + j)
             seqs.append(Sequence(ids, params, state.tokenizer, prompt_text=text, prompt_index=pi,
                                  discard_output=drop))
-    return _Plan(req, Generation(state.client, seqs, state.metrics), echo, top, drop)
+    return _Plan(Generation(state.client, seqs, state.metrics), echo, top, drop)
 
 
 def _choice(plan: _Plan, i: int, seq: Sequence, tok: TokenText) -> dict:
@@ -76,57 +77,36 @@ def _echo_offsets(lp: dict, n_prompt: int, prompt_chars: int) -> list[int]:
     return offsets
 
 
+def _choices(state: ServerState, plan: _Plan) -> list[dict]:
+    tok = TokenText(state.tokenizer)
+    return [_choice(plan, i, s, tok) for i, s in enumerate(plan.gen.sequences)]
+
+
+async def _chunks(state: ServerState, plan: _Plan, chunk: ChunkFn):
+    tok = TokenText(state.tokenizer)
+    seqs = plan.gen.sequences
+    sent = [0] * len(seqs)  # output tokens already listed in logprobs
+    echoed = [not plan.echo] * len(seqs)
+    if plan.echo and plan.top is None:  # with log-probs the prompt goes out with its log-probs
+        for i, seq in enumerate(seqs):
+            echoed[i] = True
+            yield chunk([{"index": i, "text": seq.prompt_text or "", "logprobs": None, "finish_reason": None}])
+    async for i, delta, out in plan.gen.events():
+        seq = seqs[i]
+        echo_now = not echoed[i] and (out.prompt_logprobs is not None or out.finished)
+        lp = None
+        if plan.top is not None:
+            lp = completion_logprobs(seq, tok, echo_now, sent[i], len(seq.output_ids), 0)
+            sent[i] = len(seq.output_ids)
+        if echo_now:
+            echoed[i], delta = True, (seq.prompt_text or "") + delta
+        if delta or out.finished or (lp and lp["tokens"]):
+            yield chunk([{"index": i, "text": delta, "logprobs": lp,
+                          "finish_reason": seq.finish_reason if out.finished else None}])
+
+
+COMPLETIONS = Endpoint(CompletionRequest, "cmpl", "text_completion", "text_completion", _plan, _choices, _chunks)
+
+
 async def completions(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    req = parse_body(await request.body(), CompletionRequest)
-    plan = _plan(state, req)
-    plan.gen.submit()
-    rid, created = new_id("cmpl"), now()
-    if req.stream:
-        return StreamingResponse(_stream(state, plan, rid, created), media_type="text/event-stream")
-    if not await until_disconnect(request, plan.gen.collect()):
-        return Response(status_code=499)
-    tok = TokenText(state.tokenizer)
-    choices = [_choice(plan, i, s, tok) for i, s in enumerate(plan.gen.sequences)]
-    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                         "choices": choices, "usage": plan.gen.usage})
-
-
-async def _stream(state: ServerState, plan: _Plan, rid: str, created: int):
-    tok = TokenText(state.tokenizer)
-    sent = [0] * len(plan.gen.sequences)  # output tokens already listed in logprobs
-    include_usage = bool(plan.req.stream_options and plan.req.stream_options.include_usage)
-
-    def chunk(choices: list[dict]) -> str:
-        body = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                "choices": choices}
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
-
-    echoed = [not plan.echo] * len(plan.gen.sequences)
-    try:
-        if plan.echo and plan.top is None:  # with log-probs the prompt goes out with its log-probs
-            for i, seq in enumerate(plan.gen.sequences):
-                echoed[i] = True
-                yield chunk([{"index": i, "text": seq.prompt_text or "", "logprobs": None, "finish_reason": None}])
-        async for i, delta, out in plan.gen.events():
-            seq = plan.gen.sequences[i]
-            echo_now = not echoed[i] and (out.prompt_logprobs is not None or out.finished)
-            lp = None
-            if plan.top is not None:
-                lp = completion_logprobs(seq, tok, echo_now, sent[i], len(seq.output_ids), 0)
-                sent[i] = len(seq.output_ids)
-            if echo_now:
-                echoed[i], delta = True, (seq.prompt_text or "") + delta
-            if delta or out.finished or (lp and lp["tokens"]):
-                yield chunk([{"index": i, "text": delta, "logprobs": lp,
-                              "finish_reason": seq.finish_reason if out.finished else None}])
-        if include_usage:
-            yield sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                       "choices": [], "usage": plan.gen.usage})
-    except APIError as exc:
-        yield sse(exc.body())
-    except Exception as exc:  # noqa: BLE001 - end the stream with an error event, not a torn connection
-        yield sse(server_error(f"internal error: {exc}").body())
-    yield SSE_DONE
+    return await respond(request, COMPLETIONS)

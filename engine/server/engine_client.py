@@ -21,8 +21,17 @@ from typing import Optional
 
 from engine.args import EngineArgs
 from engine.sampling import SamplingParams
-from engine.server.protocol import (AbortRequest, AddFailed, AddRequest, EngineFailed, EngineInfo, EngineStats,
-                                    RequestOutput, Shutdown, StepOutputs)
+from engine.server.protocol import (
+    AbortRequest,
+    AddFailed,
+    AddRequest,
+    EngineFailed,
+    EngineInfo,
+    EngineStats,
+    RequestOutput,
+    Shutdown,
+    StepOutputs,
+)
 
 log = logging.getLogger("dsctl.server")
 
@@ -169,6 +178,15 @@ class EngineClient:
         self._proc.join(2)
         code = self._proc.exitcode
         self._call(self._died, f"the engine process exited (exit code {code})")
+
+    def call_later(self, delay: float, fn) -> bool:
+        """Thread-safe (signal handlers too): run fn() on the event loop after delay seconds.
+
+        False when the client was never started (no event loop to run it on)."""
+        if self._loop is None:
+            return False
+        self._call(self._loop.call_later, delay, fn)
+        return True
 
     def _call(self, fn, *a) -> None:
         try:

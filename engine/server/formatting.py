@@ -7,7 +7,6 @@ import time
 import uuid
 from typing import Optional
 
-from engine.server.detokenizer import decode_token, token_bytes
 from engine.server.generation import Sequence
 
 
@@ -24,6 +23,17 @@ def sse(obj) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def decode_token(tokenizer, token_id: int) -> str:
+    """The text of one token on its own (for log-prob listings)."""
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode([token_id], False)
+
+
+def token_bytes(text: Optional[str]) -> list[int]:
+    return list(text.encode("utf-8")) if text else []
 
 
 class TokenText:

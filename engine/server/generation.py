@@ -1,9 +1,11 @@
 """The sequences of one HTTP request: submit them, merge their outputs, abort what is left.
 
-`Sequence` is one generated choice in the serving process: it gathers token ids
-and log-probs and turns token deltas into text deltas (incremental
-detokenization; text that could still turn out to be the start of a stop string
-is held back, and the stop string itself is never emitted). `Generation`
+`Sequence` is one generated choice in the serving process: a `CollectedOutput`
+(engine/scheduler/output.py: token ids, log-probs and finish put back together
+from the engine's deltas, as the offline Engine does) that also turns token
+deltas into text deltas (incremental detokenization; text that could still turn
+out to be the start of a stop string is held back, and the stop string itself is
+never emitted: the engine reports the text before it). `Generation`
 submits all sequences of a request (prompts x n) through the EngineClient and
 yields `(index, text_delta, output)` as outputs arrive; leaving its iterator
 early (client gone, error) aborts the sequences still running.
@@ -13,31 +15,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from engine.sampling import SamplingParams
-from engine.server.detokenizer import IncrementalDetokenizer
+from engine.scheduler.detokenizer import IncrementalDetokenizer
+from engine.scheduler.output import CollectedOutput
 from engine.server.engine_client import EngineClient, EngineDead, EngineUnavailable, QueueFull
-from engine.server.errors import APIError, bad_request, server_error, unavailable
+from engine.server.errors import bad_request, server_error, unavailable
 from engine.server.protocol import AddFailed, RequestOutput
 
 
 @dataclass
-class Sequence:
+class Sequence(CollectedOutput):
     prompt_ids: list[int]
     params: SamplingParams
     tokenizer: object
     prompt_text: Optional[str] = None
     prompt_index: int = 0  # which prompt of the request (choices of one prompt share it)
     discard_output: bool = False  # echo-only request: the engine ran one step for prompt log-probs
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    prompt_logprobs: Optional[list[Optional[float]]] = None
-    prompt_top_logprobs: Optional[list] = None
-    finish_reason: Optional[str] = None
-    matched_stop: object = None
     text: str = ""  # text emitted so far
     rid: Optional[str] = None
     # timing (monotonic seconds) for the latency metrics
@@ -49,10 +45,7 @@ class Sequence:
         self.detok = IncrementalDetokenizer(self.tokenizer, self.params.skip_special_tokens)
         self.holdback = max((len(s) for s in self.params.stop), default=1) - 1
         self._pushed = 0  # output ids given to the detokenizer
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+        self._held = ""  # detokenized text not emitted yet
 
     def apply(self, out: RequestOutput) -> str:
         """Take one engine output; return the text it adds."""
@@ -61,36 +54,22 @@ class Sequence:
                                 prompt_top_logprobs=out.prompt_top_logprobs,
                                 finish_reason=None if not out.finished else
                                 "abort" if out.finish_reason == "abort" else "length")
-        self.output_ids += out.new_token_ids
-        if out.new_logprobs is not None:
-            self.logprobs += out.new_logprobs
-        if out.new_top_logprobs is not None:
-            self.top_logprobs += out.new_top_logprobs
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
+        self.add(out)
         if not out.finished:
             self._push(len(self.output_ids))
-            cut = len(self.detok.text) - self.holdback
-            delta = self.detok.text[len(self.text):cut] if cut > len(self.text) else ""
+            delta = self._held[:max(0, len(self._held) - self.holdback)]
+            self._held = self._held[len(delta):]
+        elif self.stop_text is not None:
+            delta = self.stop_text[len(self.text):]
         else:
-            self.finish_reason, self.matched_stop = out.finish_reason, out.matched_stop
-            if out.stop_text is not None:
-                full = out.stop_text
-            else:
-                visible = len(self.output_ids) - (1 if self._stopped_by_token() else 0)
-                self._push(visible)
-                self.detok.flush()
-                full = self.detok.text
-            delta = full[len(self.text):]
+            self._push(len(self.visible_ids()))
+            delta, self._held = self._held + self.detok.flush(), ""
         self.text += delta
         return delta
 
-    def _stopped_by_token(self) -> bool:
-        return self.finish_reason == "stop" and isinstance(self.matched_stop, int) and bool(self.output_ids)
-
     def _push(self, upto: int) -> None:
         if upto > self._pushed:
-            self.detok.push(self.output_ids[self._pushed:upto])
+            self._held += self.detok.push(self.output_ids[self._pushed:upto])
             self._pushed = upto
 
 

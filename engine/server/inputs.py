@@ -2,8 +2,8 @@
 
 Everything the engine would refuse is refused here first, with a 400 that names
 the parameter: empty prompts, prompts that do not fit the context, token ids
-outside the vocabulary, max_tokens beyond the context, sampling values the
-engine rejects.
+outside the vocabulary (the engine's own prompt check, with its messages),
+max_tokens beyond the context, sampling values the engine rejects.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from typing import Optional, Sequence
 
 from engine.errors import RequestError
 from engine.sampling import SamplingParams
+from engine.scheduler import prompt_check
 from engine.server.errors import bad_request
 from engine.server.protocol import EngineInfo
-from engine.server.schemas import MAX_STOP, ChatRequest, CompletionRequest, _Sampling
+from engine.server.schemas import MAX_STOP, ChatRequest, CompletionRequest, SamplingFields
 
 
 def _need_tokenizer(tokenizer, what: str):
@@ -56,19 +57,12 @@ def chat_prompt(req: ChatRequest, tokenizer) -> list[int]:
 
 
 def check_prompt(ids: Sequence[int], info: EngineInfo, param: str = "prompt") -> None:
-    n = len(ids)
-    if n == 0:
-        raise bad_request("the prompt is empty", param=param)
-    if n >= info.max_model_len:
-        raise bad_request(f"this model's maximum context length is {info.max_model_len} tokens, but the prompt "
-                          f"has {n} tokens (and at least one token must be generated)",
-                          param=param, code="context_length_exceeded")
-    if n > info.kv_total_tokens:
-        raise bad_request(f"the prompt has {n} tokens but the KV cache holds only {info.kv_total_tokens}",
-                          param=param, code="context_length_exceeded")
-    bad = [t for t in ids if not 0 <= t < info.vocab_size]
-    if bad:
-        raise bad_request(f"token id(s) {bad[:5]} outside the vocabulary [0, {info.vocab_size})", param=param)
+    """The engine's prompt check (engine/scheduler/prompt_check.py) as a 400 naming `param`."""
+    limits = prompt_check.PromptLimits(info.max_model_len, info.vocab_size, info.kv_total_tokens)
+    try:
+        prompt_check.check_prompt(ids, limits)
+    except prompt_check.PromptError as exc:
+        raise bad_request(str(exc), param=param, code=exc.code) from None
 
 
 def max_new_tokens(requested: Optional[int], prompt_len: int, info: EngineInfo, param: str) -> int:
@@ -82,7 +76,7 @@ def max_new_tokens(requested: Optional[int], prompt_len: int, info: EngineInfo, 
     return requested
 
 
-def _stops(req: _Sampling) -> list[str]:
+def _stops(req: SamplingFields) -> list[str]:
     stop = req.stop
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     stops = [s for s in stops if s]
@@ -91,7 +85,7 @@ def _stops(req: _Sampling) -> list[str]:
     return stops
 
 
-def base_params(req: _Sampling, info: EngineInfo) -> SamplingParams:
+def base_params(req: SamplingFields, info: EngineInfo) -> SamplingParams:
     """SamplingParams common to every choice of a request (max_new_tokens and seed set per choice)."""
     bad = [t for t in req.stop_token_ids or [] if not 0 <= t < info.vocab_size]
     if bad:

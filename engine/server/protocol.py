@@ -4,14 +4,16 @@ Serving -> engine: AddRequest, AbortRequest, Shutdown.
 Engine -> serving: EngineInfo (once, when the model is loaded), StepOutputs (after
 every scheduler step: the new tokens of each request that moved, plus EngineStats),
 AddFailed (a request the scheduler refused), EngineFailed (startup failure or crash).
+`RequestOutput`, the per-request delta, is the engine's own (engine/scheduler/output.py):
+the offline Engine consumes the same deltas.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional, Union
+from dataclasses import dataclass
 
 from engine.sampling import SamplingParams
+from engine.scheduler.output import RequestOutput
 
 
 # ---- serving -> engine -----------------------------------------------------
@@ -50,25 +52,6 @@ class EngineStats:
     kv_free_tokens: int = 0
     prefix_cache_tokens: int = 0  # KV tokens held (evictable) by the prefix cache
     prefix_cache_hit_rate: float = 0.0
-
-
-@dataclass
-class RequestOutput:
-    """What one request gained in one step (token deltas; prompt log-probs once)."""
-
-    rid: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: Optional[list[float]] = None
-    new_top_logprobs: Optional[list[list[tuple[int, float]]]] = None
-    prompt_logprobs: Optional[list[Optional[float]]] = None
-    prompt_top_logprobs: Optional[list] = None
-    finish_reason: Optional[str] = None  # stop | length | abort
-    matched_stop: Union[int, str, None] = None
-    stop_text: Optional[str] = None  # the whole output text, cut before a matched stop string
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass

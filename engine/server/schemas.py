@@ -31,7 +31,7 @@ class StreamOptions(_Strict):
 TokenIds = list[int]
 
 
-class _Sampling(_Strict):
+class SamplingFields(_Strict):
     """Fields shared by completions and chat completions (None = default)."""
 
     model: Optional[str] = None
@@ -63,7 +63,7 @@ class _Sampling(_Strict):
         return None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]]
     max_tokens: Optional[int] = Field(16, ge=0)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -101,7 +101,7 @@ class ResponseFormat(_Strict):
     type: Literal["text"]
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)

@@ -41,9 +41,6 @@ def _uvicorn_server(config, on_first_exit):
 
 def _abort_later(state, delay: float) -> None:
     """Thread-safe: after delay seconds, abort whatever the engine is still generating."""
-    loop = state.client._loop
-    if loop is None:
-        return
     log = logging.getLogger("dsctl.server")
 
     def abort() -> None:
@@ -51,8 +48,8 @@ def _abort_later(state, delay: float) -> None:
         if n:
             log.warning("shutting down: aborted %d request(s) still running after %.0fs", n, delay)
 
-    log.info("shutting down: no new connections; in-flight requests get %.0fs to finish", delay)
-    loop.call_soon_threadsafe(loop.call_later, delay, abort)
+    if state.client.call_later(delay, abort):
+        log.info("shutting down: no new connections; in-flight requests get %.0fs to finish", delay)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -79,7 +76,7 @@ def serve(args: EngineArgs) -> None:
     level = args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     resolved = resolve_model(args)  # fail fast on a bad --model, before starting anything
-    tokenizer = load_tokenizer(resolved.path)
+    tokenizer = load_tokenizer(resolved.tokenizer_path)
     app = build_app(args, tokenizer)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.layers import FP8_DTYPE
+from kernels.fp8_math import FP8_DTYPE
 
 _CHUNK = 1 << 24  # elements generated at a time
 

@@ -3,7 +3,7 @@
 HF names map onto our modules (`hf_to_target`): per-expert weights are stacked
 into the MoE's w13 / w2 (and their FP8 block scales). FP8 tensors are either kept
 (W8A8 path) or dequantised exactly; plain tensors loaded into FP8 targets are
-block-quantised. Every target must be filled: anything missing is reported as
+block-quantised (both with kernels/fp8_math.py). Every target must be filled: anything missing is reported as
 one `CheckpointError` listing every missing tensor.
 """
 
@@ -20,8 +20,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
-from engine.model.layers import FP8_DTYPE, dequant_block_fp8
-from engine.weights.fp8 import quantize_block_fp8
+from kernels.fp8_math import FP8_DTYPE, cdiv, dequant_block_fp8, quantize_block_fp8
 
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
@@ -174,7 +173,7 @@ def _store(params, t: Target, src, scale, block, cfg: ModelConfig, filled) -> No
     filled.add((t.name, t.expert, t.part))
     if new_scale is not None:
         sparam = params[t.name + "_scale"]
-        _expert_slice(sparam, t, -(-n_rows // block[0])).copy_(new_scale)
+        _expert_slice(sparam, t, cdiv(n_rows, block[0])).copy_(new_scale)
         filled.add((t.name + "_scale", t.expert, t.part))
 
 
@@ -197,7 +196,7 @@ def _share_mtp_embeddings(modules, filled) -> None:
 
 def _expected(params, cfg: ModelConfig, modules) -> set:
     want = set()
-    for name, p in params.items():
+    for name in params:
         if re.search(r"mlp\.w(13|2)(_scale)?$", name):
             parts = ("down",) if ".w2" in name else ("gate", "up")
             want |= {(name, e, part) for e in range(cfg.n_routed_experts) for part in parts}

@@ -19,17 +19,14 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from engine.cache import cache_root
 from engine.config import ModelConfig, parse_config
-from engine.weights.fp8 import quantize_block_fp8
 from engine.weights.tiny_tokenizer import write_tokenizer
+from kernels.fp8_math import quantize_block_fp8
 
 FORMAT_VERSION = 1
 SEED = 1234
 NUM_SHARDS = 3
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DSCTL_CACHE_DIR") or Path.home() / ".cache" / "dsctl")
 
 
 def hf_state_dict(cfg: ModelConfig, seed: int = SEED) -> dict[str, torch.Tensor]:

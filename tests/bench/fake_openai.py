@@ -3,7 +3,10 @@
 Each completion streams `max_tokens` chunks of "tok ": the first after `ttft`
 seconds, the next ones `itl` apart, except the gap before chunk `slow_index`,
 which lasts `slow_gap` seconds. Prompts containing FAIL get an HTTP 500, CUT
-drops the connection after two chunks, ERREVENT streams an error event.
+drops the connection after two chunks, ERREVENT streams an error event. A prompt
+of token ids counts one token per id (or gets a 400 when `accept_token_ids` is
+off); a text prompt counts one token per whitespace-separated word. Requests
+without "stream": true get one JSON answer.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class Behaviour:
     slow_index: Optional[int] = None
     slow_gap: float = 0.0
     send_usage: bool = True
+    accept_token_ids: bool = True
+    extra_prompt_tokens: int = 0  # added to every prompt's count, as a server with a different tokenizer would
 
 
 class FakeOpenAI:
@@ -82,29 +87,39 @@ class FakeOpenAI:
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         self._enter(body)
-        if "FAIL" in prompt:
+        if isinstance(prompt, list) and not self.behaviour.accept_token_ids:
+            self._leave()
+            return JSONResponse({"error": {"message": "prompt: Input should be a valid string", "code": 400}},
+                                status_code=400)
+        if isinstance(prompt, str) and "FAIL" in prompt:
             self._leave()
             return JSONResponse({"error": {"message": "injected failure", "code": 500}}, status_code=500)
-        return StreamingResponse(self._stream(prompt, int(body["max_tokens"]), chat,
+        n = int(body["max_tokens"])
+        if not body.get("stream"):
+            self._leave()
+            return JSONResponse({"choices": [{"index": 0, "text": "tok " * n}], "usage": self._usage(prompt, n)})
+        return StreamingResponse(self._stream(prompt, n, chat,
                                               body.get("stream_options", {}).get("include_usage", False)),
                                  media_type="text/event-stream")
 
-    async def _stream(self, prompt: str, n: int, chat: bool, include_usage: bool):
+    async def _stream(self, prompt, n: int, chat: bool, include_usage: bool):
         b = self.behaviour
         try:
             for i in range(n):
                 await asyncio.sleep(b.ttft if i == 0 else (b.slow_gap if i == b.slow_index else b.itl))
-                if "CUT" in prompt and i == 2:
+                if isinstance(prompt, str) and "CUT" in prompt and i == 2:
                     raise ConnectionError("injected disconnect")
-                if "ERREVENT" in prompt and i == 1:
+                if isinstance(prompt, str) and "ERREVENT" in prompt and i == 1:
                     yield "data: " + json.dumps({"error": {"message": "injected error event"}}) + "\n\n"
                     return
                 choice = {"index": 0, "delta": {"content": "tok "}} if chat else {"index": 0, "text": "tok "}
                 yield "data: " + json.dumps({"choices": [choice]}) + "\n\n"
             if include_usage and b.send_usage:
-                usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n,
-                         "total_tokens": len(prompt.split()) + n}
-                yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+                yield "data: " + json.dumps({"choices": [], "usage": self._usage(prompt, n)}) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:
             self._leave()
+
+    def _usage(self, prompt, n: int) -> dict:
+        plen = (len(prompt) if isinstance(prompt, list) else len(prompt.split())) + self.behaviour.extra_prompt_tokens
+        return {"prompt_tokens": plen, "completion_tokens": n, "total_tokens": plen + n}

@@ -137,8 +137,11 @@ def test_tokenizer_counts_tokens_when_usage_is_missing(make_server, tmp_path):
     server = make_server(ttft=0.01, itl=0.005, send_usage=False)
     s = run_serving(ServingOptions(base_url=server.url, num_prompts=2, random_input_len=12, random_output_len=5,
                                    tokenizer=str(tmp_path)), _quiet())
-    assert s.counted_by == {"tokenizer": 2} and s.output_tokens == 10
-    assert s.input_tokens == sum(len(tk.encode(b["prompt"]).ids) for b in server.bodies)
+    assert s.counted_by == {"tokenizer": 2} and s.output_tokens == 10  # five "tok " chunks each
+    # with a tokenizer, random prompts go out as token ids of the tokenizer's vocabulary
+    sent = [b["prompt"] for b in server.bodies if b.get("stream")]
+    assert len(sent) == 2 and all(len(p) == 12 and set(p) <= set(vocab.values()) for p in sent)
+    assert s.input_tokens == 24 and s.asked_input_tokens == 24  # no usage: the asked lengths stand
 
 
 def test_result_file_gets_one_json_line_per_run_and_plot_is_written(make_server, tmp_path):

@@ -38,5 +38,8 @@ def test_bench_serving_completes_every_request(server, endpoint, tmp_path):
     # bench asks for exactly 6 tokens per request (ignore_eos) and counts them from the server's usage.
     assert row["output_tokens"] == 12 * 6
     assert row["input_tokens"] > 12 and row["duration_s"] > 0
-    # The server's own counter saw the same tokens.
-    assert _generated_total(server) - before == 12 * 6
+    # The server's own counter saw the same tokens, plus the one token of the untimed probe that
+    # checks the server takes token-id prompts (completions only: chat prompts are messages).
+    probe = 1 if row["prompt_form"] == "ids" else 0
+    assert row["prompt_form"] == ("ids" if endpoint == "completions" else "chat")
+    assert _generated_total(server) - before == 12 * 6 + probe

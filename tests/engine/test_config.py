@@ -1,6 +1,5 @@
 """ModelConfig parsing: shipped configs, both rope spellings, FP8 config, clear errors."""
 
-import json
 
 import pytest
 

@@ -87,7 +87,7 @@ def test_backend_plumbing_matches_torch_reference(monkeypatch):
     backend = fi.FlashInferAttentionBackend(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                                             cfg.softmax_scale, torch.float32, torch.float32, 1.0, r.device,
                                             r.req_to_token.table.shape[1])
-    r.attn_ctx.backend = backend
+    r.forward_ctx.attn_backend = backend
     before = fake_flashinfer.BatchMLAPagedAttentionWrapper.plans
     got = _rounds(eng)
     assert fake_flashinfer.BatchMLAPagedAttentionWrapper.plans - before >= 3 + 20  # one plan per forward

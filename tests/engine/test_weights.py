@@ -8,12 +8,11 @@ import torch
 from engine.config import parse_config
 from engine.engine import Engine
 from engine.errors import CheckpointError
-from engine.models import lookup
 from engine.model.deepseek import DeepseekForCausalLM, MTPLayer
-from engine.model.layers import dequant_block_fp8
+from engine.models import lookup
 from engine.sampling import SamplingParams
 from engine.weights import tiny
-from engine.weights.fp8 import quantize_block_fp8
+from kernels.fp8_math import dequant_block_fp8, quantize_block_fp8
 
 
 def _digest(directory):
@@ -95,7 +94,10 @@ def test_deepseek_v3_real_shapes_count_671b():
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg, torch.bfloat16, (128, 128))
         mtp = MTPLayer(cfg, cfg.num_hidden_layers, torch.bfloat16, (128, 128))
-    count = lambda m: sum(p.numel() for n, p in m.named_parameters() if "scale" not in n)
+
+    def count(m):
+        return sum(p.numel() for n, p in m.named_parameters() if "scale" not in n)
+
     assert 670e9 < count(model) < 672e9
     assert 11e9 < count(mtp) < 12e9  # its own layer + eh_proj; embedding/head are shared (+1.85B if stored)
     fp8 = {n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}

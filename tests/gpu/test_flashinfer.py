@@ -75,7 +75,7 @@ def test_flashinfer_backend_is_used(tiny_mla):
     from engine.model.attention_flashinfer import FlashInferAttentionBackend
 
     eng = _engine(tiny_mla, enable_flashinfer_mla=True, cuda_graph_bs="1,2")
-    assert isinstance(eng.runner.attn_ctx.backend, FlashInferAttentionBackend)
+    assert isinstance(eng.runner.forward_ctx.attn_backend, FlashInferAttentionBackend)
     assert eng.runner.attention_backend == "flashinfer"
 
 
@@ -150,9 +150,10 @@ def _batch(mode, table, perm, prefix, extend):
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_layer_decode_and_extend_at_v3_shapes(heads, kv_dtype):
-    from engine.model.attention import AttentionContext, TorchAttentionBackend
+    from engine.model.attention import TorchAttentionBackend
     from engine.model.attention_flashinfer import FlashInferAttentionBackend
     from engine.model.attention_triton import TritonAttentionBackend
+    from engine.model.context import ForwardContext
 
     cfg, layer, pool, table, perm = _v3_layer_setup(heads, kv_dtype)
     fi = FlashInferAttentionBackend(heads, 512, 64, layer.scale, torch.bfloat16, kv_dtype, pool.scale,
@@ -169,8 +170,8 @@ def test_layer_decode_and_extend_at_v3_shapes(heads, kv_dtype):
         new = pool.read(0, fb.out_cache_loc, torch.bfloat16)  # the new tokens' rows, as MLA.forward wrote them
         outs = {}
         for bname, backend in backends.items():
-            ctx = AttentionContext(pool, table, None, backend)
-            backend.begin_forward(fb, ctx)
+            ctx = ForwardContext(pool, table, None, backend, moe_backend=None)
+            ctx.begin_forward(fb)
             if fb.mode.is_decode:
                 outs[bname] = backend.decode(layer, q_nope, q_pe, fb, ctx)
             else:

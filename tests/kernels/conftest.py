@@ -4,7 +4,7 @@ writing part of its output fails the comparison instead of passing on leftover z
 import pytest
 import torch
 
-from kernels.fp8 import FP8_DTYPE
+from kernels.fp8_math import FP8_DTYPE
 
 
 @pytest.fixture

@@ -9,8 +9,7 @@ start as NaN (torch.empty is poisoned), so unwritten rows that were read would s
 import pytest
 import torch
 
-from engine.weights.fp8 import quantize_block_fp8
-from kernels.fp8 import FP8_DTYPE
+from kernels.fp8_math import quantize_block_fp8
 from kernels.fused_moe import fused_moe, fused_moe_ref
 from kernels.moe_align import max_blocks, moe_align_block_size, moe_align_block_size_ref
 

@@ -1,7 +1,9 @@
-"""Kernel config files: names, JSON round trip, nearest-M look-up, search order, defaults, warnings."""
+"""Kernel config files: names, JSON round trip, nearest-M look-up, search order (argument, registered
+user dir, shipped; never the environment), defaults, warnings."""
 
 import json
 import logging
+import os
 
 import pytest
 
@@ -11,9 +13,11 @@ from kernels import tuned_configs as tc
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     monkeypatch.delenv(tc.ENV_DIR, raising=False)
+    tc.set_user_config_dir(None)
     tc.clear_config_cache()
     tc._warned.clear()
     yield
+    tc.set_user_config_dir(None)
     tc.clear_config_cache()
 
 
@@ -58,7 +62,7 @@ def _write(d, name, bm):
 
 def test_search_order(tmp_path, monkeypatch):
     name = tc.moe_config_filename(7, 33, "Fake_GPU", "fp8_w8a8")
-    arg_dir, env_dir, shipped = tmp_path / "arg", tmp_path / "env", tmp_path / "shipped"
+    arg_dir, user_dir, shipped = tmp_path / "arg", tmp_path / "user", tmp_path / "shipped"
     monkeypatch.setattr(tc, "SHIPPED_DIR", shipped)
 
     def get(**kw):
@@ -66,14 +70,43 @@ def test_search_order(tmp_path, monkeypatch):
 
     _write(shipped, name, 16)
     assert get()["BLOCK_SIZE_M"] == 16
-    _write(env_dir, name, 32)
-    monkeypatch.setenv(tc.ENV_DIR, str(env_dir))
+    _write(user_dir, name, 32)
+    assert get()["BLOCK_SIZE_M"] == 16  # not registered yet (and memoised results follow registration)
+    tc.set_user_config_dir(user_dir)
+    assert tc.user_config_dir() == user_dir and tc.config_dirs() == [user_dir, shipped]
     assert get()["BLOCK_SIZE_M"] == 32
     _write(arg_dir, name, 64)
     assert get(user_dir=arg_dir)["BLOCK_SIZE_M"] == 64
+    tc.set_user_config_dir(None)
+    assert get()["BLOCK_SIZE_M"] == 16
     gemm = tc.fp8_gemm_config_filename(576, 7168, "Fake_GPU")
     _write(shipped, gemm, 128)
     assert tc.get_fp8_gemm_config(576, 7168, 3, device_name_override="Fake_GPU")["BLOCK_SIZE_M"] == 128
+
+
+def test_environment_is_not_a_search_path(tmp_path, monkeypatch):
+    """DSCTL_KERNEL_CONFIG_DIR is the engine flag's default, resolved by the runner; look-ups never read it."""
+    name = tc.fp8_gemm_config_filename(96, 64, "Fake_GPU")
+    shipped, env_dir = tmp_path / "shipped", tmp_path / "env"
+    monkeypatch.setattr(tc, "SHIPPED_DIR", shipped)
+    _write(shipped, name, 16)
+    _write(env_dir, name, 64)
+    monkeypatch.setenv(tc.ENV_DIR, str(env_dir))
+    assert tc.config_dirs() == [shipped]
+    assert tc.get_fp8_gemm_config(96, 64, 1, device_name_override="Fake_GPU")["BLOCK_SIZE_M"] == 16
+
+
+def test_user_dir_file_wins_over_shipped_without_touching_the_environment(tmp_path, monkeypatch):
+    name = tc.moe_config_filename(5, 24, "Fake_GPU", "bf16", None)
+    shipped, user = tmp_path / "shipped", tmp_path / "user"
+    monkeypatch.setattr(tc, "SHIPPED_DIR", shipped)
+    _write(shipped, name, 16)
+    _write(user, name, 128)
+    before = dict(os.environ)
+    tc.set_user_config_dir(str(user))
+    got = tc.get_moe_config(5, 24, 1, 2, "bf16", device_name_override="Fake_GPU")
+    assert got["BLOCK_SIZE_M"] == 128
+    assert dict(os.environ) == before
 
 
 def test_missing_file_defaults_and_warns_once(tmp_path, caplog):

@@ -14,6 +14,7 @@ from engine.sampling import SamplingParams
 from tests.scheduler.test_scheduling import BASELINE, _check_pool, _gen, _greedy, _prompts, _use
 from tests.scheduler.test_scheduling import _same as _same_cpu
 
+
 def _same(a, b, atol=0.25):
     _same_cpu(a, b, atol=atol)
 
@@ -29,7 +30,7 @@ def engine():
 @pytest.mark.parametrize("opts", [
     dict(),
     dict(chunked_prefill_size=16, max_prefill_tokens=24),
-    dict(enable_radix_cache=False, enable_overlap=True),
+    dict(disable_radix_cache=True, disable_overlap_schedule=False),
     dict(schedule_policy="lpm", chunked_prefill_size=8),
 ], ids=["defaults", "chunk16", "overlap-only", "lpm-chunk8"])
 def test_outputs_identical_to_baseline_on_gpu(engine, opts):

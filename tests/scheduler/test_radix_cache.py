@@ -128,7 +128,7 @@ def test_eviction_goes_leaf_first_then_parent(cache):
 def test_random_operations_match_a_dict_model():
     """Random insert / match / lock / unlock / evict against {prefix tuple: slot}."""
     rng = random.Random(0)
-    for trial in range(20):
+    for _trial in range(20):
         freed = Freed()
         cache = RadixCache(freed)
         model: dict[tuple, int] = {}

@@ -9,7 +9,7 @@ from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.scheduler.scheduler import Scheduler
 
-BASELINE = dict(enable_radix_cache=False, chunked_prefill_size=-1, enable_overlap=False)
+BASELINE = dict(disable_radix_cache=True, chunked_prefill_size=-1, disable_overlap_schedule=True)
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +35,12 @@ def _prompts(seed=0, n_shared=6, n_random=4):
 
 
 def _use(engine, **opts) -> Scheduler:
-    """Swap in a fresh scheduler (the previous one's cached KV is evicted first)."""
+    """Swap in a fresh scheduler with these scheduling flags (the previous one's cached KV is evicted first)."""
     old = engine.scheduler
     old.flush()
     if old.cache is not None:
         old.cache.evict_all()
-    sched = Scheduler(engine.runner, engine._decode, engine.scheduler.eos_ids, **opts)
+    sched = engine.make_scheduler(engine.args.replace(**opts))
     engine.scheduler = sched
     return sched
 
@@ -90,11 +90,11 @@ def baseline(engine):
 
 
 @pytest.mark.parametrize("opts", [
-    dict(enable_radix_cache=True, chunked_prefill_size=-1, enable_overlap=False),
-    dict(enable_radix_cache=True, chunked_prefill_size=16, enable_overlap=False),
-    dict(enable_radix_cache=False, chunked_prefill_size=16, enable_overlap=True),
-    dict(enable_radix_cache=True, chunked_prefill_size=16, enable_overlap=True, max_prefill_tokens=8),
-    dict(enable_radix_cache=True, schedule_policy="lpm"),
+    dict(chunked_prefill_size=-1, disable_overlap_schedule=True),
+    dict(chunked_prefill_size=16, disable_overlap_schedule=True),
+    dict(disable_radix_cache=True, chunked_prefill_size=16, disable_overlap_schedule=False),
+    dict(chunked_prefill_size=16, disable_overlap_schedule=False, max_prefill_tokens=8),
+    dict(schedule_policy="lpm"),
     dict(),  # the defaults: radix on, chunks of 8192, overlap on
 ], ids=["radix", "radix-chunk16", "chunk16-overlap", "all-budget8", "lpm", "defaults"])
 def test_outputs_identical_to_baseline(engine, baseline, opts):
@@ -105,7 +105,7 @@ def test_outputs_identical_to_baseline(engine, baseline, opts):
 
 def test_radix_cache_hits_on_repeats_and_outputs_unchanged(engine, baseline):
     prompts, ref = baseline
-    sched = _use(engine, enable_radix_cache=True)
+    sched = _use(engine)
     first = engine.generate(input_ids=prompts, sampling_params=_greedy())
     hits_first = sched.stats()["prefix_cache_hit_tokens"]
     second = engine.generate(input_ids=prompts, sampling_params=_greedy())
@@ -122,7 +122,7 @@ def test_shared_prefix_hits_across_admission_steps(engine):
     """Requests admitted one per step reuse the shared prefix prefilled by the first one."""
     prompts = _prompts(seed=5)[:6]
     ref, _ = _gen(engine, prompts, _greedy(6), **BASELINE)
-    got, sched = _gen(engine, prompts, _greedy(6), check=False, enable_radix_cache=True, max_prefill_tokens=1,
+    got, sched = _gen(engine, prompts, _greedy(6), check=False, max_prefill_tokens=1,
                        chunked_prefill_size=-1)
     _same(got, ref)
     assert sched.stats()["prefix_cache_hit_tokens"] > 0
@@ -133,7 +133,7 @@ def test_multi_turn_reuses_prompt_and_output(engine):
     g = torch.Generator().manual_seed(7)
     turn1 = _rand(g, 30)
     for overlap in (False, True):
-        sched = _use(engine, enable_radix_cache=True, enable_overlap=overlap)
+        sched = _use(engine, disable_overlap_schedule=not overlap)
         out1 = engine.generate(input_ids=[turn1], sampling_params=_greedy(10))[0]
         turn2 = turn1 + out1.token_ids + _rand(g, 5)
         req = engine.make_request(turn2, _greedy(5))
@@ -149,7 +149,7 @@ def test_chunked_prefill_prompt_logprobs_and_long_prompts(engine):
     prompts = [_rand(g, n) for n in (70, 5, 33, 17, 1)]
     sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=True, logprobs=True)
     ref, _ = _gen(engine, prompts, sp, **BASELINE)
-    for opts in (dict(chunked_prefill_size=16, enable_overlap=False), dict(chunked_prefill_size=7),
+    for opts in (dict(chunked_prefill_size=16, disable_overlap_schedule=True), dict(chunked_prefill_size=7),
                  dict(chunked_prefill_size=16, max_prefill_tokens=3)):
         got, sched = _gen(engine, prompts, sp, **opts)
         _same(got, ref)
@@ -163,7 +163,7 @@ def test_decodes_continue_between_chunks(engine):
     """A long prompt arriving while others decode is prefilled in chunks, with decode steps in between."""
     g = torch.Generator().manual_seed(11)
     short, long = _rand(g, 5), _rand(g, 90)
-    sched = _use(engine, chunked_prefill_size=10, enable_overlap=False)
+    sched = _use(engine, chunked_prefill_size=10, disable_overlap_schedule=True)
     a = engine.make_request(short, _greedy(30))
     sched.add(a)
     sched.step()  # prefill a
@@ -183,7 +183,7 @@ def test_decodes_continue_between_chunks(engine):
 def test_lpm_orders_by_cached_prefix(engine):
     g = torch.Generator().manual_seed(13)
     warm = _rand(g, 40)
-    sched = _use(engine, schedule_policy="lpm", enable_overlap=False, max_prefill_tokens=1,
+    sched = _use(engine, schedule_policy="lpm", disable_overlap_schedule=True, max_prefill_tokens=1,
                  chunked_prefill_size=-1)
     engine.generate(input_ids=[warm], sampling_params=_greedy(2))
     cold = [_rand(g, 10) for _ in range(3)]
@@ -210,7 +210,7 @@ def test_overlap_with_stops_and_seeded_sampling(engine):
          for i in range(len(prompts) - 4)]
     ref, _ = _gen(engine, prompts, params, **BASELINE)
     for overlap in (True, False):
-        got, _ = _gen(engine, prompts, params, enable_overlap=overlap, chunked_prefill_size=8)
+        got, _ = _gen(engine, prompts, params, disable_overlap_schedule=not overlap, chunked_prefill_size=8)
         _same(got, ref)
         assert [o.text for o in got] == [o.text for o in ref]
         assert [o.matched_stop for o in got] == [o.matched_stop for o in ref]
@@ -230,7 +230,7 @@ def test_batch_of_one_equals_batch_of_32(engine):
 def test_kv_pressure_evicts_and_retracts_without_dropping(engine, baseline):
     prompts, ref = baseline
     small = Engine(model="tiny", device="cpu", dtype="float32", max_total_tokens=150)
-    for opts in (dict(enable_overlap=False), dict(chunked_prefill_size=8), dict(enable_radix_cache=False)):
+    for opts in (dict(disable_overlap_schedule=True), dict(chunked_prefill_size=8), dict(disable_radix_cache=True)):
         sched = _use(small, **opts)
         first = small.generate(input_ids=prompts, sampling_params=_greedy())
         got = small.generate(input_ids=prompts, sampling_params=_greedy())  # with a full cache
@@ -248,7 +248,7 @@ def test_abort_mid_decode_and_mid_chunked_prefill(engine):
     prompts = [_rand(g, 8), _rand(g, 60), _rand(g, 12)]
     ref, _ = _gen(engine, prompts, _greedy(10), **BASELINE)
     for overlap in (True, False):
-        sched = _use(engine, chunked_prefill_size=10, enable_overlap=overlap)
+        sched = _use(engine, chunked_prefill_size=10, disable_overlap_schedule=not overlap)
         reqs = [engine.make_request(p, _greedy(10)) for p in prompts]
         for r in reqs:
             sched.add(r)
@@ -270,7 +270,7 @@ def test_stats_keys(engine):
     stats = sched.stats()
     for key in ("prefix_cache_tokens", "prefix_cache_hit_rate", "prefix_cache_hit_tokens", "prompt_tokens"):
         assert key in stats
-    assert _use(engine, enable_radix_cache=False).stats()["prefix_cache_tokens"] == 0
+    assert _use(engine, disable_radix_cache=True).stats()["prefix_cache_tokens"] == 0
 
 
 def test_flush_cache_only_when_idle(engine):

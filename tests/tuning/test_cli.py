@@ -59,7 +59,7 @@ def test_option_errors(args, match):
 def test_no_gpu_error_is_one_line(tiny_model):
     res = run_dsctl("tune-moe", "--model", tiny_model, "--tp", "1", interpret=False, timeout=120)
     assert res.returncode != 0
-    assert res.stderr.strip().startswith("error: no CUDA GPU found") and len(res.stderr.strip().splitlines()) == 1
+    assert res.stderr.strip().startswith("error: tune-moe needs a CUDA GPU") and len(res.stderr.strip().splitlines()) == 1
     assert "Traceback" not in res.stderr
     from tuning.errors import NoGpuError
     assert issubclass(NoGpuError, DsctlError)

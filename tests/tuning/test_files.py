@@ -55,14 +55,12 @@ def test_written_file_is_read_by_engine_lookup(tmp_path, target):
     assert look(40, user_dir=tmp_path) == results[64].config  # nearest tuned M
     assert look(5000, user_dir=tmp_path) == results[1024].config
     assert look(544, user_dir=tmp_path) == results[64].config  # tie |544-64| == |544-1024|: the smaller
-    # the engine's env var (what --kernel-config-dir sets) finds the same file
-    tc.clear_config_cache()
-    import os
-    os.environ[tc.ENV_DIR] = str(tmp_path)
+    # the directory the engine registers for --kernel-config-dir finds the same file
+    tc.set_user_config_dir(tmp_path)
     try:
         assert look(1) == results[1].config
     finally:
-        del os.environ[tc.ENV_DIR]
+        tc.set_user_config_dir(None)
 
 
 def test_gemm_file_round_trip(tmp_path):

@@ -1,4 +1,4 @@
-"""Incremental detokenization for streaming.
+"""Incremental detokenization: the text that each new token adds, without decoding the whole output.
 
 Tokens of a byte-level BPE can split one UTF-8 character (an accent, a CJK
 character, an emoji) across several tokens; decoding them one at a time would
@@ -7,11 +7,14 @@ window of already-emitted context plus the new tokens, emits only the text the
 window adds, and holds the tail back while it still ends in an incomplete
 character. `flush()` releases whatever is left when the sequence ends. The
 concatenation of everything it emits equals decoding the whole sequence at once.
+
+`held` is the text decoded but held back (it ends in an incomplete character, as
+a full decode would show it). It keeps only that window (a few tokens), never the
+whole text: callers keep what they need. Used by the output processor for stop strings (engine process) and by
+the server for streamed text (serving process).
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 6  # tokens of emitted context decoded again, so word-boundary spaces come out right
@@ -19,12 +22,11 @@ CONTEXT_TOKENS = 6  # tokens of emitted context decoded again, so word-boundary 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # anything with decode(ids, skip_special_tokens) -> str, or None
         self.skip_special = skip_special_tokens
-        self.ids: list[int] = []
-        self.prefix = 0  # start of the context window
-        self.read = 0  # tokens whose text has been emitted
-        self.text = ""  # everything emitted so far
+        self.window: list[int] = []  # emitted context, then the tokens whose text is not emitted yet
+        self.read = 0  # window[:read] is emitted context
+        self.held = ""  # text of window[read:] held back (ends in U+FFFD), or ""
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None or not ids:
@@ -33,7 +35,7 @@ class IncrementalDetokenizer:
 
     def push(self, ids: list[int]) -> str:
         """Add tokens; return the newly complete text (may be empty)."""
-        self.ids.extend(ids)
+        self.window.extend(ids)
         return self._advance(final=False)
 
     def flush(self) -> str:
@@ -41,25 +43,14 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        if self.read == len(self.ids):
+        if self.read == len(self.window):
             return ""
-        before = self._decode(self.ids[self.prefix:self.read])
-        now = self._decode(self.ids[self.prefix:])
+        before = self._decode(self.window[:self.read])
+        now = self._decode(self.window)
         if not final and (len(now) <= len(before) or now.endswith(REPLACEMENT)):
+            self.held = now[len(before):]
             return ""  # nothing new yet, or the last character is still incomplete
-        delta = now[len(before):]
-        self.read = len(self.ids)
-        self.prefix = max(0, self.read - CONTEXT_TOKENS)
-        self.text += delta
-        return delta
-
-
-def decode_token(tokenizer, token_id: int) -> str:
-    """The text of one token on its own (for log-prob listings)."""
-    if tokenizer is None:
-        return ""
-    return tokenizer.decode([token_id], False)
-
-
-def token_bytes(text: Optional[str]) -> list[int]:
-    return list(text.encode("utf-8")) if text else []
+        self.held = ""
+        self.window = self.window[-CONTEXT_TOKENS:]
+        self.read = len(self.window)
+        return now[len(before):]

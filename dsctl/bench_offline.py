@@ -1,0 +1,122 @@
+"""`dsctl bench offline`: generation speed through the Engine (scheduler + runner), no HTTP.
+
+Two figures, each timed after an untimed warm-up of the same shape:
+- decode tok/s at batch 1: one request generating `output_len` tokens and the same
+  prompt length generating 1 token; the difference is `output_len - 1` decode steps.
+- output tok/s at `concurrency`: that many requests handed to `Engine.generate` at
+  once (the scheduler batches them), output tokens / wall time; total tok/s counts
+  the prompts too.
+Prompts are random token ids, a fresh set for every run, so the radix cache never
+turns a timed prefill into a cache hit; `ignore_eos` makes every request produce
+exactly `output_len` tokens. Lengths default to small values on CPU, larger on CUDA.
+`bench ablation` runs this command once per configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+CPU_DEFAULTS = {"input_len": 32, "output_len": 16, "concurrency": 4}
+CUDA_DEFAULTS = {"input_len": 512, "output_len": 256, "concurrency": 64}
+
+
+@dataclass
+class OfflineResult:
+    model: str
+    device: str
+    dtype: str
+    input_len: int
+    output_len: int
+    concurrency: int
+    repeats: int
+    decode_tok_s_bs1: float  # median over repeats
+    prefill_s_bs1: float  # time to the first token of one request (median)
+    output_tok_s: float  # at `concurrency` (median)
+    total_tok_s: float  # prompts + outputs at `concurrency` (median)
+
+
+class _Prompts:
+    """Fresh random prompts: every call returns ids never used before in this run."""
+
+    def __init__(self, vocab: int, seed: int):
+        import torch
+
+        self.vocab, self.gen = vocab, torch.Generator().manual_seed(seed)
+
+    def take(self, n: int, length: int) -> list[list[int]]:
+        import torch
+
+        return torch.randint(0, self.vocab, (n, length), generator=self.gen).tolist()
+
+
+def _timed_generate(engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, int]:
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
+
+
+def _lengths(device_type: str, input_len, output_len, concurrency) -> tuple[int, int, int]:
+    d = CPU_DEFAULTS if device_type == "cpu" else CUDA_DEFAULTS
+    return (input_len or d["input_len"], output_len or d["output_len"], concurrency or d["concurrency"])
+
+
+def run_offline(args, input_len: Optional[int] = None, output_len: Optional[int] = None,
+                concurrency: Optional[int] = None, repeats: int = 1, progress=None) -> OfflineResult:
+    """Build the Engine from `args` and measure (see the module docstring). `progress(text)` reports steps."""
+    from engine.engine import Engine
+    from engine.errors import UsageError
+
+    say = progress or (lambda text: None)
+    if min(x for x in (input_len, output_len, concurrency, repeats) if x is not None) < 1:
+        raise UsageError("--input-len, --output-len, --concurrency and --repeats must be >= 1")
+    say("starting the engine")
+    engine = Engine(args)
+    ilen, olen, conc = _lengths(engine.runner.device.type, input_len, output_len, concurrency)
+    prompts = _Prompts(min(engine.config.vocab_size, 32000), args.seed)
+    say("warm-up")
+    _timed_generate(engine, prompts.take(1, ilen), olen)
+    _timed_generate(engine, prompts.take(conc, ilen), olen)
+    decode, prefill, out_rate, total_rate = [], [], [], []
+    for k in range(repeats):
+        say(f"batch 1, run {k + 1}/{repeats}")
+        t_first, _ = _timed_generate(engine, prompts.take(1, ilen), 1)
+        t_all, n = _timed_generate(engine, prompts.take(1, ilen), olen)
+        prefill.append(t_first)
+        decode.append((n - 1) / max(t_all - t_first, 1e-9))
+        say(f"{conc} concurrent, run {k + 1}/{repeats}")
+        t_conc, n = _timed_generate(engine, prompts.take(conc, ilen), olen)
+        out_rate.append(n / t_conc)
+        total_rate.append((n + conc * ilen) / t_conc)
+    med = statistics.median
+    return OfflineResult(
+        model=args.model, device=str(engine.runner.device), dtype=str(engine.runner.dtype).replace("torch.", ""),
+        input_len=ilen, output_len=olen, concurrency=conc, repeats=repeats, decode_tok_s_bs1=med(decode),
+        prefill_s_bs1=med(prefill), output_tok_s=med(out_rate), total_tok_s=med(total_rate))
+
+
+def write_result(path: Path, result: OfflineResult) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"timestamp": time.time(), **asdict(result)}) + "\n")
+
+
+def print_result(result: OfflineResult) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"bench offline: {result.model} on {result.device} {result.dtype}, input "
+                        f"{result.input_len}, output {result.output_len} tokens", show_header=False)
+    table.add_column(no_wrap=True)
+    table.add_column(justify="right", no_wrap=True)
+    table.add_row("decode tok/s at batch 1", f"{result.decode_tok_s_bs1:.1f}")
+    table.add_row("time to first token at batch 1", f"{result.prefill_s_bs1 * 1e3:.1f} ms")
+    table.add_row(f"output tok/s at {result.concurrency} concurrent", f"{result.output_tok_s:.1f}")
+    table.add_row(f"total tok/s at {result.concurrency} concurrent", f"{result.total_tok_s:.1f}")
+    Console().print(table)

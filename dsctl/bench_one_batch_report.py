@@ -1,0 +1,69 @@
+"""The `bench one-batch` results table, in layouts that fit the terminal (dsctl/tables.py).
+
+Wide: medians and their spread in separate columns, plus total time. Narrow
+(80 columns): each spread goes on a second line under its median, total time is
+dropped (overall tok/s says the same). Prompt/output lengths are columns only
+when the run used more than one; otherwise they are in the title.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dsctl.bench_one_batch import OneBatchResult
+
+
+def _ms(seconds: float, digits: int = 2) -> str:
+    return f"{seconds * 1e3:.{digits}f}" if math.isfinite(seconds) else "-"
+
+
+def _rate(v: float) -> str:
+    return f"{v:.1f}" if math.isfinite(v) else "-"
+
+
+def _title(results: list[OneBatchResult], context: str) -> tuple[str, bool]:
+    lens = {(r.input_len, r.output_len) for r in results}
+    repeats = results[0].repeats if results else 0
+    title = f"bench one-batch{': ' + context if context else ''} (median of {repeats} runs after a warm-up"
+    if len(lens) == 1:
+        (ilen, olen), = lens
+        return f"{title}; input {ilen}, output {olen} tokens)", False
+    return f"{title})", True
+
+
+def layouts(results: list[OneBatchResult], context: str = "") -> list:
+    from rich.table import Table
+
+    title, show_lens = _title(results, context)
+    lens = ["in", "out"] if show_lens else []
+
+    def lens_of(r):
+        return [str(r.input_len), str(r.output_len)] if show_lens else []
+
+    wide = Table(title=title)
+    for col in ["batch", *lens, "prefill\nms", "prefill ms\nmin-max", "prefill\ntok/s", "decode\nms",
+                "decode ms\np10-p90", "decode\ntok/s", "total\ns", "overall\ntok/s"]:
+        wide.add_column(col, justify="right", no_wrap=True)
+    narrow = Table(title=title)
+    for col in ["batch", *lens, "prefill ms\n(min-max)", "prefill\ntok/s", "decode ms\n(p10-p90)", "decode\ntok/s",
+                "overall\ntok/s"]:
+        narrow.add_column(col, justify="right", no_wrap=True)
+    for r in results:
+        p_spread = f"{_ms(r.prefill_latency_min_s)}-{_ms(r.prefill_latency_max_s)}"
+        d_spread = f"{_ms(r.decode_latency_p10_s, 3)}-{_ms(r.decode_latency_p90_s, 3)}"
+        wide.add_row(str(r.batch_size), *lens_of(r), _ms(r.prefill_latency_s), p_spread,
+                     _rate(r.prefill_throughput_tok_s), _ms(r.median_decode_latency_s, 3), d_spread,
+                     _rate(r.median_decode_throughput_tok_s), f"{r.total_latency_s:.3f}",
+                     _rate(r.overall_throughput_tok_s))
+        narrow.add_row(str(r.batch_size), *lens_of(r), f"{_ms(r.prefill_latency_s)}\n({p_spread})",
+                       _rate(r.prefill_throughput_tok_s), f"{_ms(r.median_decode_latency_s, 3)}\n({d_spread})",
+                       _rate(r.median_decode_throughput_tok_s), _rate(r.overall_throughput_tok_s))
+    return [wide, narrow]
+
+
+def print_table(results: list[OneBatchResult], context: str = "") -> None:
+    from rich.console import Console
+
+    from dsctl.tables import print_fitting
+
+    print_fitting(Console(), layouts(results, context))
