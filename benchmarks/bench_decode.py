@@ -151,7 +151,7 @@ def main() -> None:
     cfg = parse_config(lookup("deepseek-v3").config_dict())
     bw = copy_bandwidth()
     print(f"GPU: {torch.cuda.get_device_name()}  copy bandwidth: {bw / 1e9:.0f} GB/s", flush=True)
-    base = EngineArgs(model="deepseek-v3", load_format="dummy", num_layers=opts.num_layers,
+    base = EngineArgs.of(model="deepseek-v3", load_format="dummy", num_layers=opts.num_layers,
                       cuda_graph_bs=",".join(map(str, sizes)), max_running_requests=max(sizes))
     rows = []
     for attn in opts.attention_backends.split(","):

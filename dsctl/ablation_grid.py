@@ -49,7 +49,7 @@ class Feature:
         return _field(self.field) is not None
 
     def is_on(self, args: EngineArgs) -> bool:
-        return getattr(args, self.field) != self.off
+        return args.value(self.field) != self.off
 
     def value(self, on: bool, base: EngineArgs) -> Any:
         if not on:

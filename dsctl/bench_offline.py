@@ -80,7 +80,7 @@ def run_offline(args, input_len: Optional[int] = None, output_len: Optional[int]
     say("starting the engine")
     engine = Engine(args)
     ilen, olen, conc = _lengths(engine.runner.device.type, input_len, output_len, concurrency)
-    prompts = _Prompts(min(engine.config.vocab_size, 32000), args.seed)
+    prompts = _Prompts(min(engine.config.vocab_size, 32000), args.model.seed)
     say("warm-up")
     _timed_generate(engine, prompts.take(1, ilen), olen)
     _timed_generate(engine, prompts.take(conc, ilen), olen)
@@ -97,7 +97,7 @@ def run_offline(args, input_len: Optional[int] = None, output_len: Optional[int]
         total_rate.append((n + conc * ilen) / t_conc)
     med = statistics.median
     return OfflineResult(
-        model=args.model, device=str(engine.runner.device), dtype=str(engine.runner.dtype).replace("torch.", ""),
+        model=args.model.model, device=str(engine.runner.device), dtype=str(engine.runner.dtype).replace("torch.", ""),
         input_len=ilen, output_len=olen, concurrency=conc, repeats=repeats, decode_tok_s_bs1=med(decode),
         prefill_s_bs1=med(prefill), output_tok_s=med(out_rate), total_tok_s=med(total_rate))
 

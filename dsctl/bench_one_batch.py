@@ -164,11 +164,11 @@ def bench(args, batch_sizes: list[int], input_len: Union[int, Sequence[int]], ou
     if min(input_lens + output_lens + list(batch_sizes)) < 1 or repeats < 1:
         raise UsageError("--batch-size, --input-len, --output-len and --repeats must all be >= 1")
     longest = max(input_lens) + max(output_lens)
-    if args.max_total_tokens is None:
+    if args.cache.max_total_tokens is None:
         args = args.replace(max_total_tokens=max(batch_sizes) * longest)
-    if args.max_model_len is None:
+    if args.model.max_model_len is None:
         args = args.replace(max_model_len=longest)
-    args = args.replace(max_running_requests=max(args.max_running_requests, max(batch_sizes)))
+    args = args.replace(max_running_requests=max(args.scheduler.max_running_requests, max(batch_sizes)))
     runner = ModelRunner(args)
     shapes = _shapes(batch_sizes, input_lens, output_lens)
     results = []
@@ -177,15 +177,15 @@ def bench(args, batch_sizes: list[int], input_len: Union[int, Sequence[int]], ou
         for bs, ilen, olen in shapes:
             name = f"batch {bs}, in {ilen}, out {olen}"
             progress.update(task, description=f"{name}: warm-up")
-            _run_batch(runner, bs, ilen, olen, args.seed)  # untimed: compiles and captures this shape
+            _run_batch(runner, bs, ilen, olen, args.model.seed)  # untimed: compiles and captures this shape
             progress.advance(task)
             runs = []
             for k in range(repeats):
                 progress.update(task, description=f"{name}: run {k + 1}/{repeats}")
-                runs.append(_run_batch(runner, bs, ilen, olen, args.seed + 1 + k))
+                runs.append(_run_batch(runner, bs, ilen, olen, args.model.seed + 1 + k))
                 progress.advance(task)
             if profile is not None:
-                _profiled(runner, bs, ilen, olen, args.seed, profile)
+                _profiled(runner, bs, ilen, olen, args.model.seed, profile)
             results.append(summarize(bs, ilen, olen, runs))
     meta = _meta(args, runner)
     if result_file is not None:
@@ -195,7 +195,7 @@ def bench(args, batch_sizes: list[int], input_len: Union[int, Sequence[int]], ou
 
 
 def _meta(args, runner) -> dict:
-    return {"model": args.model, "load_format": args.load_format, "num_layers": runner.num_layers,
+    return {"model": args.model.model, "load_format": args.model.load_format, "num_layers": runner.num_layers,
             "device": str(runner.device), "dtype": str(runner.dtype).replace("torch.", "")}
 
 

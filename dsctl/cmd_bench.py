@@ -112,11 +112,11 @@ def ablation(
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = make_rows(args, base_label="baseline")
     console = Console()
-    console.print(f"bench ablation: {len(rows)} configurations of {args.model}, one process each", markup=False)
+    console.print(f"bench ablation: {len(rows)} configurations of {args.model.model}, one process each", markup=False)
     results = run_ablation(rows, settings)
-    print_table(results, available_features(), args.model, console)
+    print_table(results, available_features(), args.model.model, console)
     write_jsonl(out_dir / "ablation.jsonl", results)
-    skipped = write_png(out_dir / "ablation.png", results, title(results, args.model))
+    skipped = write_png(out_dir / "ablation.png", results, title(results, args.model.model))
     console.print(f"wrote {out_dir / 'ablation.jsonl'}" + (f"; PNG skipped: {skipped}" if skipped else
                                                           f" and {out_dir / 'ablation.png'}"), markup=False)
 

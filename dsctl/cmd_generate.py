@@ -6,11 +6,11 @@ from typing import List, Optional
 
 import typer
 
-from dsctl.flags import engine_command
-from engine.args import GPU, MODEL, EngineArgs
+from dsctl.flags import engine_command, non_server_groups
+from engine.args import EngineArgs
 
 
-@engine_command(MODEL, GPU)
+@engine_command(*non_server_groups())
 def generate(
     args: EngineArgs,
     prompt: List[str] = typer.Option(..., "--prompt", "-p", help="Prompt text; repeat for a batch."),
@@ -28,17 +28,20 @@ def generate(
 
     from rich.console import Console
 
-    from engine.engine import Engine
+    from engine.ranked import open_engine
     from engine.sampling import SamplingParams
 
-    engine = Engine(args)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             min_p=min_p, seed=sample_seed, stop=list(stop)).validate()
-    if chat:
-        ids = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompt]
-        outs = engine.generate(input_ids=ids, sampling_params=params)
-    else:
-        outs = engine.generate(list(prompt), params)
+    engine = open_engine(args)  # one process, or one per rank with --tp N
+    try:
+        if chat:
+            ids = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompt]
+            outs = engine.generate(input_ids=ids, sampling_params=params)
+        else:
+            outs = engine.generate(list(prompt), params)
+    finally:
+        engine.close()
     console = Console()
     for p, o in zip(prompt, outs):
         if json_out:

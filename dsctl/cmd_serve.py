@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from dsctl.flags import engine_command
-from engine.args import GPU, MODEL, SERVER, EngineArgs
+from dsctl.flags import engine_command, engine_groups
+from engine.args import EngineArgs
 
 
-@engine_command(MODEL, SERVER, GPU)
+@engine_command(*engine_groups())
 def serve(args: EngineArgs) -> None:
     from engine.server.serve import serve as run_server
 

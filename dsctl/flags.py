@@ -2,7 +2,8 @@
 
 Flags are defined once, as dataclass fields with metadata. `engine_command`
 wraps a command function so that the fields of the requested groups become
-`--kebab-case` options, and the function receives one `EngineArgs`.
+`--kebab-case` options (in one `--help` panel per group), and the function receives
+one `EngineArgs`.
 `to_argv` is the inverse: the flags that reproduce an EngineArgs (for commands
 that start `dsctl` sub-processes, e.g. `bench ablation`).
 """
@@ -17,28 +18,24 @@ from typing import Any, Callable, Iterable
 import typer
 
 from dsctl.option_sets import merge_options
-from engine.args import SERVER, EngineArgs, cli_name, fields_in_groups
+from engine.args import GROUPS, EngineArgs, cli_name, fields_in_groups
 
-_PANEL = {"model": "Model options", "server": "Server options", "gpu": "Kernel and GPU options"}
-
-
-def _panel(group: str) -> str:
-    return _PANEL.get(group, f"{group.capitalize()} options")
+SERVER = "server"
 
 
 def _default(f: dataclasses.Field) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
-def _option_for(f: dataclasses.Field, hints: dict) -> inspect.Parameter:
+def _option_for(group: str, f: dataclasses.Field) -> inspect.Parameter:
     meta = f.metadata
-    typ = hints[f.name]
+    typ = typing.get_type_hints(GROUPS[group][0])[f.name]
     default = _default(f)
     help_text = meta["help"]
     if meta.get("choices"):
         help_text += f" [{'|'.join(meta['choices'])}]"
     names = [f"--{cli_name(f.name)}", *meta.get("aliases", ())]
-    panel = _panel(meta["group"])
+    panel = GROUPS[group][1]
     if typ is bool and not default:  # a plain switch: --flag
         option = typer.Option(default, *names, help=help_text, rich_help_panel=panel, show_default=False)
     elif typ is bool:  # on by default: --flag/--no-flag
@@ -51,15 +48,13 @@ def _option_for(f: dataclasses.Field, hints: dict) -> inspect.Parameter:
 
 def engine_command(*groups: str) -> Callable[[Callable], Callable]:
     """Decorate `fn(args: EngineArgs, **own_options)`; adds the groups' flags to its CLI."""
-    hints = typing.get_type_hints(EngineArgs)
-    params = [_option_for(f, hints) for f in fields_in_groups(groups)]
-    return lambda fn: merge_options(fn, params, lambda values: EngineArgs(**values), "args")
+    params = [_option_for(g, f) for g, f in fields_in_groups(groups)]
+    return lambda fn: merge_options(fn, params, lambda values: EngineArgs.of(**values), "args")
 
 
 def engine_groups(exclude: Iterable[str] = ()) -> tuple[str, ...]:
-    """Every flag group of EngineArgs (in field order), less `exclude`: new groups are picked up as they land."""
-    groups = dict.fromkeys(f.metadata.get("group") for f in dataclasses.fields(EngineArgs))
-    return tuple(g for g in groups if g and g not in set(exclude))
+    """Every flag group of EngineArgs (in CLI order), less `exclude`: new groups are picked up as they land."""
+    return tuple(g for g in GROUPS if g not in set(exclude))
 
 
 def non_server_groups() -> tuple[str, ...]:
@@ -70,8 +65,8 @@ def non_server_groups() -> tuple[str, ...]:
 def to_argv(args: EngineArgs, groups: Iterable[str]) -> list[str]:
     """Flags that make `engine_command(*groups)` rebuild `args` (fields left at their default are omitted)."""
     out: list[str] = []
-    for f in fields_in_groups(tuple(groups)):
-        value = getattr(args, f.name)
+    for g, f in fields_in_groups(tuple(groups)):
+        value = getattr(getattr(args, g), f.name)
         if value == _default(f):
             continue
         flag = f"--{cli_name(f.name)}"

@@ -1,10 +1,19 @@
-"""Every engine flag, defined once.
+"""Every engine flag, defined once, grouped by the layer that reads it.
 
-`EngineArgs` is the single source of truth for the engine's options: their
-defaults, help text, the CLI group they belong to and their allowed values.
-`dsctl` builds its command-line options from these fields (see
-`dsctl/flags.py`); nothing else parses flags. `validate()` rejects bad values and
-bad combinations with a message that says why and what to use instead.
+Each group is a plain dataclass whose fields carry their CLI metadata (help text,
+allowed values, aliases): `ModelArgs` (what to load and how), `CacheArgs` (the KV
+pool and the prefix cache), `SchedulerArgs` (what runs each step), `KernelArgs`
+(attention / MoE backends, CUDA graphs, torch.compile, tuned configs),
+`ParallelArgs` (one process per GPU: TP, multi-node; DP attention and EP flags are
+defined and rejected until they land) and `ServerArgs` (HTTP). `EngineArgs` holds one
+of each; a layer receives only its group (the scheduler gets `args.scheduler`, the
+server `args.server`, ...).
+
+`dsctl` builds its command-line options and `--help` panels from these fields
+(`dsctl/flags.py`); nothing else parses flags. `EngineArgs.of(**flat)` and
+`args.replace(**flat)` take flag names (`tp_size=2`) and route each to its group.
+`validate()` rejects bad values and combinations with a message that says why and what
+to use instead.
 
 This module must stay importable without torch so that `dsctl --help` is fast.
 """
@@ -18,23 +27,34 @@ from typing import Any, Optional
 
 from engine.errors import UsageError
 
-# Flag groups: each CLI command picks the groups it needs.
-MODEL = "model"
-SERVER = "server"
-GPU = "gpu"
+# Environment variable an operator may set instead of --kernel-config-dir (read here, once).
+KERNEL_CONFIG_DIR_ENV = "DSCTL_KERNEL_CONFIG_DIR"
 
 
-def flag(default: Any, help: str, group: str = MODEL, choices: tuple | None = None, **extra) -> Any:
+def flag(default: Any, help: str, choices: tuple | None = None, aliases: tuple = ()) -> Any:
     """A dataclass field carrying its CLI metadata."""
-    meta = {"help": help, "group": group, "choices": choices, **extra}
+    meta = {"help": help, "choices": choices, "aliases": aliases}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
+def cli_name(field_name: str) -> str:
+    return field_name.replace("_", "-")
+
+
+def _check_choices(group: Any) -> None:
+    for f in dataclasses.fields(group):
+        choices = f.metadata.get("choices")
+        value = getattr(group, f.name)
+        if choices and value is not None and value not in choices:
+            raise UsageError(f"--{cli_name(f.name)} must be one of {', '.join(choices)} (got {value!r})")
+
+
 @dataclass
-class EngineArgs:
-    # ---- model and weights -------------------------------------------------
+class ModelArgs:
+    """What to load, in which dtype, on which device."""
+
     model: str = flag(
         "tiny",
         "Model: a registry alias (see `dsctl models`), a local checkpoint directory, "
@@ -68,12 +88,51 @@ class EngineArgs:
     max_model_len: Optional[int] = flag(
         None, "Context length limit (prompt + output). Default: the model's max_position_embeddings."
     )
-    max_total_tokens: Optional[int] = flag(
-        None, "Size of the KV cache pool in tokens. Default: 32768 on CPU; half the free GPU memory on CUDA."
-    )
-    max_running_requests: int = flag(256, "Most requests in the running batch at once.")
 
-    # ---- scheduling (engine/scheduler): prefix cache, chunked prefill, overlap ----------
+    def validate(self) -> None:
+        _check_choices(self)
+        if self.num_layers is not None and self.num_layers < 1:
+            raise UsageError(f"--num-layers must be >= 1 (got {self.num_layers})")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise UsageError(f"--max-model-len must be >= 2 (got {self.max_model_len})")
+        if self.device == "cpu" and self.dtype == "float16":
+            raise UsageError("--dtype float16 is not supported on CPU; use float32 or bfloat16")
+
+
+@dataclass
+class CacheArgs:
+    """The KV pool (size, dtype, memory share) and the radix prefix cache."""
+
+    max_total_tokens: Optional[int] = flag(
+        None, "Size of the KV cache pool in tokens. Default: 32768 on CPU; what --mem-fraction-static leaves "
+        "after the weights on CUDA.",
+    )
+    kv_cache_dtype: str = flag(
+        "auto", "KV cache dtype: 'auto' = the model dtype; 'fp8_e4m3' / 'fp8_e5m2' halve the latent cache's "
+        "bytes (e4m3: more mantissa, the usual choice; e5m2: more range).",
+        choices=("auto", "fp8_e4m3", "fp8_e5m2"),
+    )
+    mem_fraction_static: float = flag(
+        0.85, "Fraction of GPU memory for weights + KV cache (the rest: activations, CUDA graphs).",
+    )
+    disable_radix_cache: bool = flag(
+        False, "Turn off the radix prefix cache (prompt prefixes shared between requests, or turns of a "
+        "conversation, are then recomputed every time).",
+    )
+
+    def validate(self) -> None:
+        _check_choices(self)
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise UsageError(f"--max-total-tokens must be >= 1 (got {self.max_total_tokens})")
+        if not 0 < self.mem_fraction_static < 1:
+            raise UsageError(f"--mem-fraction-static must be in (0, 1) (got {self.mem_fraction_static})")
+
+
+@dataclass
+class SchedulerArgs:
+    """What runs each step: batch limits, chunked prefill, queue order, overlap."""
+
+    max_running_requests: int = flag(256, "Most requests in the running batch at once.")
     max_prefill_tokens: int = flag(
         16384, "Most new prompt tokens computed in one prefill step; a longer prompt is still admitted "
         "(alone, or in chunks).",
@@ -81,10 +140,6 @@ class EngineArgs:
     chunked_prefill_size: int = flag(
         8192, "Prefill long prompts in chunks of at most this many tokens, with decode steps of the running "
         "requests in between (-1 disables chunking).",
-    )
-    disable_radix_cache: bool = flag(
-        False, "Turn off the radix prefix cache (prompt prefixes shared between requests, or turns of a "
-        "conversation, are then recomputed every time).",
     )
     schedule_policy: str = flag(
         "fcfs", "Order of waiting requests: 'fcfs' (arrival order) or 'lpm' (longest cached prefix first; "
@@ -95,103 +150,148 @@ class EngineArgs:
         "step N overlaps the device work of step N+1).",
     )
 
-    # ---- kernels and GPU execution ----------------------------------------------
-    attention_backend: str = flag(
-        "auto", "MLA attention kernels: 'triton' (CUDA default), 'torch' (reference; CPU default), "
-        "'flashinfer' (FlashInfer's MLA wrapper for prefill and decode; needs `pip install flashinfer-python`, "
-        "bfloat16/float16 and a bf16 or fp8_e4m3 KV cache).",
-        group=GPU, choices=("auto", "triton", "torch", "flashinfer"),
-    )
-    enable_flashinfer_mla: bool = flag(
-        False, "Same as --attention-backend flashinfer (SGLang's flag name).", group=GPU,
-    )
-    moe_backend: str = flag(
-        "auto", "MoE expert kernels: 'triton' fused MoE (CUDA default) or 'torch' (reference; CPU default).",
-        group=GPU, choices=("auto", "triton", "torch"),
-    )
-    kv_cache_dtype: str = flag(
-        "auto", "KV cache dtype: 'auto' = the model dtype; 'fp8_e4m3' / 'fp8_e5m2' halve the latent cache's "
-        "bytes (e4m3: more mantissa, the usual choice; e5m2: more range).",
-        group=GPU, choices=("auto", "fp8_e4m3", "fp8_e5m2"),
-    )
-    mem_fraction_static: float = flag(
-        0.85, "Fraction of GPU memory for weights + KV cache (the rest: activations, CUDA graphs).", group=GPU,
-    )
-    disable_cuda_graph: bool = flag(False, "Run decode eagerly instead of replaying CUDA graphs.", group=GPU)
-    cuda_graph_max_bs: int = flag(160, "Largest decode batch captured in a CUDA graph.", group=GPU)
-    cuda_graph_bs: Optional[str] = flag(
-        None, "Comma-separated decode batch sizes to capture (default: 1,2,4,8 then steps of 8 up to "
-        "--cuda-graph-max-bs). Batches are padded to the nearest captured size.", group=GPU,
-    )
-    enable_torch_compile: bool = flag(
-        False, "torch.compile the captured decode paths (set TORCHINDUCTOR_CACHE_DIR to reuse compiles "
-        "across restarts).", group=GPU,
-    )
-    torch_compile_max_bs: int = flag(32, "Largest decode batch that uses the torch.compile'd path.", group=GPU)
-    kernel_config_dir: Optional[str] = flag(
-        None, "Directory of tuned kernel configs (from dsctl tune-moe / tune-fp8), searched before the shipped "
-        "ones (default: $DSCTL_KERNEL_CONFIG_DIR).", group=GPU,
-    )
-
-    # ---- HTTP server (dsctl serve) ----------------------------------------------
-    host: str = flag("127.0.0.1", "Address to listen on (0.0.0.0 for every interface).", group=SERVER)
-    port: int = flag(30000, "TCP port to listen on.", group=SERVER)
-    api_key: Optional[str] = flag(
-        None, "Require 'Authorization: Bearer KEY' on every route except /health.", group=SERVER,
-    )
-    served_model_name: Optional[str] = flag(
-        None, "Model name reported by /v1/models and expected in requests (default: --model).", group=SERVER,
-    )
-    max_queued_requests: Optional[int] = flag(
-        None, "Most sequences waiting for a place in the running batch; beyond it requests get 503 with "
-        "Retry-After (default: unbounded).", group=SERVER,
-    )
-    reasoning_parser: Optional[str] = flag(
-        None, "Move the model's <think>...</think> section into reasoning_content (chat completions).",
-        group=SERVER, choices=("deepseek-r1",),
-    )
-    shutdown_timeout: float = flag(
-        30.0, "Seconds in-flight requests get to finish after SIGTERM before they are aborted.", group=SERVER,
-    )
-    log_level: str = flag("info", "Server log level.", group=SERVER, choices=("debug", "info", "warning", "error"))
-
-    # ------------------------------------------------------------------------
-    def validate(self) -> "EngineArgs":
-        """Check values and combinations; raise UsageError with a fix-it message."""
-        for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            value = getattr(self, f.name)
-            if choices and value is not None and value not in choices:
-                raise UsageError(
-                    f"--{cli_name(f.name)} must be one of {', '.join(choices)} (got {value!r})"
-                )
-        if self.num_layers is not None and self.num_layers < 1:
-            raise UsageError(f"--num-layers must be >= 1 (got {self.num_layers})")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise UsageError(f"--max-model-len must be >= 2 (got {self.max_model_len})")
+    def validate(self) -> None:
+        _check_choices(self)
         if self.max_running_requests < 1:
             raise UsageError(f"--max-running-requests must be >= 1 (got {self.max_running_requests})")
-        if self.max_total_tokens is not None and self.max_total_tokens < 1:
-            raise UsageError(f"--max-total-tokens must be >= 1 (got {self.max_total_tokens})")
-        self._validate_scheduling()
-        self._validate_gpu()
-        self._validate_server()
-        if self.device == "cpu" and self.dtype == "float16":
-            raise UsageError("--dtype float16 is not supported on CPU; use float32 or bfloat16")
-        return self
-
-    def _validate_scheduling(self) -> None:
         if self.max_prefill_tokens < 1:
             raise UsageError(f"--max-prefill-tokens must be >= 1 (got {self.max_prefill_tokens})")
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0
                                                       or self.chunked_prefill_size < -1):
             raise UsageError("--chunked-prefill-size must be a positive number of tokens, or -1 to disable "
                              f"chunking (got {self.chunked_prefill_size})")
-        if self.schedule_policy == "lpm" and self.disable_radix_cache:
-            raise UsageError("--schedule-policy lpm orders requests by their cached prefix and needs the radix "
-                             "cache: drop --disable-radix-cache, or use --schedule-policy fcfs")
 
-    def _validate_server(self) -> None:
+
+@dataclass
+class KernelArgs:
+    """Attention / MoE backends, CUDA graphs, torch.compile and tuned kernel configs."""
+
+    attention_backend: str = flag(
+        "auto", "MLA attention kernels: 'triton' (CUDA default), 'torch' (reference; CPU default), "
+        "'flashinfer' (FlashInfer's MLA wrapper for prefill and decode; needs `pip install flashinfer-python`, "
+        "bfloat16/float16 and a bf16 or fp8_e4m3 KV cache).",
+        choices=("auto", "triton", "torch", "flashinfer"),
+    )
+    enable_flashinfer_mla: bool = flag(False, "Same as --attention-backend flashinfer (SGLang's flag name).")
+    moe_backend: str = flag(
+        "auto", "MoE expert kernels: 'triton' fused MoE (CUDA default) or 'torch' (reference; CPU default).",
+        choices=("auto", "triton", "torch"),
+    )
+    disable_cuda_graph: bool = flag(False, "Run decode eagerly instead of replaying CUDA graphs.")
+    cuda_graph_max_bs: int = flag(160, "Largest decode batch captured in a CUDA graph.")
+    cuda_graph_bs: Optional[str] = flag(
+        None, "Comma-separated decode batch sizes to capture (default: 1,2,4,8 then steps of 8 up to "
+        "--cuda-graph-max-bs). Batches are padded to the nearest captured size.",
+    )
+    enable_torch_compile: bool = flag(
+        False, "torch.compile the captured decode paths (set TORCHINDUCTOR_CACHE_DIR to reuse compiles "
+        "across restarts).",
+    )
+    torch_compile_max_bs: int = flag(32, "Largest decode batch that uses the torch.compile'd path.")
+    kernel_config_dir: Optional[str] = flag(
+        None, "Directory of tuned kernel configs (from dsctl tune-moe / tune-fp8), searched before the shipped "
+        f"ones (default: ${KERNEL_CONFIG_DIR_ENV}).",
+    )
+
+    @property
+    def attention(self) -> str:
+        """The attention backend asked for, with SGLang's --enable-flashinfer-mla folded in."""
+        return "flashinfer" if self.enable_flashinfer_mla else self.attention_backend
+
+    def config_dir(self) -> Optional[str]:
+        """--kernel-config-dir, else $DSCTL_KERNEL_CONFIG_DIR, else None (the shipped configs only)."""
+        return self.kernel_config_dir or os.environ.get(KERNEL_CONFIG_DIR_ENV) or None
+
+    def validate(self) -> None:
+        _check_choices(self)
+        if self.kernel_config_dir is not None and not os.path.isdir(os.path.expanduser(self.kernel_config_dir)):
+            raise UsageError(f"--kernel-config-dir {self.kernel_config_dir}: no such directory")
+        if self.enable_flashinfer_mla and self.attention_backend not in ("auto", "flashinfer"):
+            raise UsageError(f"--enable-flashinfer-mla selects the flashinfer attention backend, which contradicts "
+                             f"--attention-backend {self.attention_backend}: give only one of them")
+        if self.cuda_graph_max_bs < 1 or self.torch_compile_max_bs < 1:
+            raise UsageError("--cuda-graph-max-bs and --torch-compile-max-bs must be >= 1")
+        if self.cuda_graph_bs is not None:
+            sizes = self.cuda_graph_batch_sizes()
+            if not sizes or min(sizes) < 1:
+                raise UsageError(f"--cuda-graph-bs must list positive batch sizes (got {self.cuda_graph_bs!r})")
+        if self.enable_torch_compile and self.disable_cuda_graph:
+            raise UsageError("--enable-torch-compile compiles the CUDA-graph decode path; "
+                             "it cannot be combined with --disable-cuda-graph")
+
+    def cuda_graph_batch_sizes(self) -> list[int]:
+        """The decode batch sizes to capture, ascending."""
+        if self.cuda_graph_bs:
+            try:
+                return sorted({int(x) for x in self.cuda_graph_bs.replace(" ", "").split(",") if x})
+            except ValueError:
+                raise UsageError(f"--cuda-graph-bs must be comma-separated integers "
+                                 f"(got {self.cuda_graph_bs!r})") from None
+        sizes = [b for b in (1, 2, 4) if b < self.cuda_graph_max_bs] + list(range(8, self.cuda_graph_max_bs + 1, 8))
+        return sorted(set(sizes + [self.cuda_graph_max_bs]))
+
+
+@dataclass
+class ParallelArgs:
+    """One process per GPU rank: tensor parallel and multi-node (SGLang's flag names)."""
+
+    tp_size: int = flag(1, "Tensor-parallel size: GPU ranks that split every layer (heads, MLP/MoE intermediate, "
+                           "vocab).", aliases=("--tp",))
+    dp_size: int = flag(1, "Data-parallel attention groups (with --enable-dp-attention).", aliases=("--dp",))
+    enable_dp_attention: bool = flag(
+        False, "DP attention: each DP rank keeps its own KV cache and batch; MoE layers gather every rank's tokens.",
+    )
+    ep_size: int = flag(1, "Expert-parallel size: ranks that split the routed experts.", aliases=("--ep",))
+    enable_ep_moe: bool = flag(False, "Expert parallel MoE over all TP ranks (same as --ep-size equal to --tp).")
+    nnodes: int = flag(1, "Nodes in the job; node 0 serves HTTP, the others run engine ranks only.")
+    node_rank: int = flag(0, "This node's index, 0..--nnodes-1.")
+    dist_init_addr: Optional[str] = flag(
+        None, "HOST:PORT of node 0's rendezvous, the same on every node (needed with --nnodes > 1).",
+    )
+    base_gpu_id: int = flag(0, "First GPU index this node uses (ranks take GPUs base..base+ranks-1).")
+    dist_timeout: float = flag(
+        600.0, "Seconds before a stuck collective or rendezvous fails (a dead rank ends the server within it).",
+    )
+
+    def config(self):
+        """The engine.distributed.ParallelConfig these flags describe (--enable-ep-moe means ep = tp)."""
+        from engine.distributed.parallel_config import ParallelConfig
+
+        ep = self.tp_size if self.enable_ep_moe and self.ep_size == 1 else self.ep_size
+        return ParallelConfig(tp_size=self.tp_size, dp_size=self.dp_size, enable_dp_attention=self.enable_dp_attention,
+                              ep_size=ep, nnodes=self.nnodes, node_rank=self.node_rank,
+                              dist_init_addr=self.dist_init_addr, base_gpu_id=self.base_gpu_id,
+                              dist_timeout=self.dist_timeout)
+
+    def validate(self, device: str = "auto") -> None:
+        self.config().validate(device_type="cuda" if device == "cuda" else "cpu")
+
+
+@dataclass
+class ServerArgs:
+    """The HTTP front end of `dsctl serve`."""
+
+    host: str = flag("127.0.0.1", "Address to listen on (0.0.0.0 for every interface).")
+    port: int = flag(30000, "TCP port to listen on.")
+    api_key: Optional[str] = flag(None, "Require 'Authorization: Bearer KEY' on every route except /health.")
+    served_model_name: Optional[str] = flag(
+        None, "Model name reported by /v1/models and expected in requests (default: --model).",
+    )
+    max_queued_requests: Optional[int] = flag(
+        None, "Most sequences waiting for a place in the running batch; beyond it requests get 503 with "
+        "Retry-After (default: unbounded).",
+    )
+    reasoning_parser: Optional[str] = flag(
+        None, "Move the model's <think>...</think> section into reasoning_content (chat completions).",
+        choices=("deepseek-r1",),
+    )
+    shutdown_timeout: float = flag(
+        30.0, "Seconds in-flight requests get to finish after SIGTERM before they are aborted.",
+    )
+    log_level: str = flag("info", "Server log level.", choices=("debug", "info", "warning", "error"))
+
+    def validate(self) -> None:
+        _check_choices(self)
         if not 1 <= self.port <= 65535:
             raise UsageError(f"--port must be in 1..65535 (got {self.port})")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
@@ -203,47 +303,72 @@ class EngineArgs:
             if value is not None and not value.strip():
                 raise UsageError(f"{name} must not be empty")
 
-    def _validate_gpu(self) -> None:
-        if self.kernel_config_dir is not None and not os.path.isdir(os.path.expanduser(self.kernel_config_dir)):
-            raise UsageError(f"--kernel-config-dir {self.kernel_config_dir}: no such directory")
-        if self.enable_flashinfer_mla and self.attention_backend not in ("auto", "flashinfer"):
-            raise UsageError(f"--enable-flashinfer-mla selects the flashinfer attention backend, which contradicts "
-                             f"--attention-backend {self.attention_backend}: give only one of them")
-        if not 0 < self.mem_fraction_static < 1:
-            raise UsageError(f"--mem-fraction-static must be in (0, 1) (got {self.mem_fraction_static})")
-        if self.cuda_graph_max_bs < 1 or self.torch_compile_max_bs < 1:
-            raise UsageError("--cuda-graph-max-bs and --torch-compile-max-bs must be >= 1")
-        if self.cuda_graph_bs is not None:
-            sizes = self.cuda_graph_batch_sizes()
-            if not sizes or min(sizes) < 1:
-                raise UsageError(f"--cuda-graph-bs must list positive batch sizes (got {self.cuda_graph_bs!r})")
-        if self.device == "cpu":
-            gpu_only = [name for name, on in (("--enable-torch-compile", self.enable_torch_compile),
-                                              (f"--kv-cache-dtype {self.kv_cache_dtype}", self.kv_cache_dtype != "auto")) if on]
+
+# Group attribute of EngineArgs -> (its dataclass, the --help panel its flags appear in), in CLI order.
+GROUPS: dict[str, tuple[type, str]] = {
+    "model": (ModelArgs, "Model options"),
+    "cache": (CacheArgs, "KV cache options"),
+    "scheduler": (SchedulerArgs, "Scheduling options"),
+    "kernels": (KernelArgs, "Kernel and GPU options"),
+    "parallel": (ParallelArgs, "Parallelism options"),
+    "server": (ServerArgs, "Server options"),
+}
+_GROUP_OF = {f.name: g for g, (cls, _) in GROUPS.items() for f in dataclasses.fields(cls)}
+
+
+def group_of(flag_name: str) -> str:
+    """The group a flag (field name, e.g. "tp_size") belongs to."""
+    if flag_name not in _GROUP_OF:
+        raise TypeError(f"unknown engine flag {flag_name!r}")
+    return _GROUP_OF[flag_name]
+
+
+def fields_in_groups(groups: tuple[str, ...]) -> list[tuple[str, dataclasses.Field]]:
+    """(group, field) for every flag of `groups`, in GROUPS order."""
+    return [(g, f) for g, (cls, _) in GROUPS.items() if g in groups for f in dataclasses.fields(cls)]
+
+
+@dataclass
+class EngineArgs:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    cache: CacheArgs = field(default_factory=CacheArgs)
+    scheduler: SchedulerArgs = field(default_factory=SchedulerArgs)
+    kernels: KernelArgs = field(default_factory=KernelArgs)
+    parallel: ParallelArgs = field(default_factory=ParallelArgs)
+    server: ServerArgs = field(default_factory=ServerArgs)
+
+    @classmethod
+    def of(cls, **flags: Any) -> "EngineArgs":
+        """EngineArgs from flag names, e.g. `EngineArgs.of(model="tiny", tp_size=2)`."""
+        return cls().replace(**flags)
+
+    def replace(self, **flags: Any) -> "EngineArgs":
+        """A copy with some flags changed (flag names, routed to their groups)."""
+        by_group: dict[str, dict[str, Any]] = {}
+        for name, value in flags.items():
+            by_group.setdefault(group_of(name), {})[name] = value
+        return dataclasses.replace(self, **{g: dataclasses.replace(getattr(self, g), **kw)
+                                            for g, kw in by_group.items()})
+
+    def value(self, flag_name: str) -> Any:
+        """One flag's value by its field name."""
+        return getattr(getattr(self, group_of(flag_name)), flag_name)
+
+    def validate(self) -> "EngineArgs":
+        """Check every group, then combinations across groups; raise UsageError with a fix-it message."""
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()
+        self.kernels.validate()
+        self.parallel.validate(self.model.device)
+        self.server.validate()
+        if self.scheduler.schedule_policy == "lpm" and self.cache.disable_radix_cache:
+            raise UsageError("--schedule-policy lpm orders requests by their cached prefix and needs the radix "
+                             "cache: drop --disable-radix-cache, or use --schedule-policy fcfs")
+        if self.model.device == "cpu":
+            gpu_only = [name for name, on in (("--enable-torch-compile", self.kernels.enable_torch_compile),
+                                              (f"--kv-cache-dtype {self.cache.kv_cache_dtype}",
+                                               self.cache.kv_cache_dtype != "auto")) if on]
             if gpu_only:
                 raise UsageError(f"{', '.join(gpu_only)} need(s) a CUDA GPU; drop it with --device cpu")
-        if self.enable_torch_compile and self.disable_cuda_graph:
-            raise UsageError("--enable-torch-compile compiles the CUDA-graph decode path; "
-                             "it cannot be combined with --disable-cuda-graph")
-
-    def cuda_graph_batch_sizes(self) -> list[int]:
-        """The decode batch sizes to capture, ascending."""
-        if self.cuda_graph_bs:
-            try:
-                sizes = sorted({int(x) for x in self.cuda_graph_bs.replace(" ", "").split(",") if x})
-            except ValueError:
-                raise UsageError(f"--cuda-graph-bs must be comma-separated integers (got {self.cuda_graph_bs!r})") from None
-            return sizes
-        sizes = [b for b in (1, 2, 4) if b < self.cuda_graph_max_bs] + list(range(8, self.cuda_graph_max_bs + 1, 8))
-        return sorted(set(sizes + [self.cuda_graph_max_bs]))
-
-    def replace(self, **changes) -> "EngineArgs":
-        return dataclasses.replace(self, **changes)
-
-
-def cli_name(field_name: str) -> str:
-    return field_name.replace("_", "-")
-
-
-def fields_in_groups(groups: tuple[str, ...]) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(EngineArgs) if f.metadata.get("group") in groups]
+        return self

@@ -21,7 +21,7 @@ import torch
 
 from engine.args import EngineArgs
 from engine.errors import RequestError, UsageError
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, pick_device
 from engine.sampling import SamplingParams
 from engine.scheduler.output import CollectedOutput
 from engine.scheduler.processor import OutputProcessor
@@ -51,11 +51,16 @@ class GenerateOutput:
 
 
 class Engine:
-    def __init__(self, args: Optional[EngineArgs] = None, **overrides):
-        args = (args or EngineArgs()).replace(**overrides) if overrides else (args or EngineArgs())
+    def __init__(self, args: Optional[EngineArgs] = None, local_rank: Optional[int] = None, **overrides):
+        """One engine over one model (flags: `args` and/or flag-name `overrides`).
+
+        With --tp N > 1 this is one rank of N: an engine rank process (engine/server/engine_process.py)
+        passes its `local_rank` and this joins the torch.distributed world. To drive N ranks from one
+        process, use `engine.ranked.open_engine` (dsctl generate does)."""
+        args = (args or EngineArgs()).replace(**overrides)
         self.args = args.validate()
-        torch.manual_seed(args.seed)
-        self.runner = ModelRunner(args)
+        torch.manual_seed(args.model.seed)
+        self.runner = ModelRunner(args, parallel=self._join_world(local_rank))
         self.tokenizer = load_tokenizer(self.runner.resolved.tokenizer_path)
         eos = self.tokenizer.eos_ids() if self.tokenizer else set()
         if not eos and self.runner.config.eos_token_id is not None:
@@ -64,10 +69,23 @@ class Engine:
         self.scheduler = self.make_scheduler()
         self._ids = itertools.count()
 
-    def make_scheduler(self, args: Optional[EngineArgs] = None) -> Scheduler:
-        """A scheduler (and its output processor) over this engine's model; scheduling flags from args."""
+    def _join_world(self, local_rank: Optional[int]):
+        pc = self.args.parallel.config()
+        if pc.world_size == 1:
+            return None
+        if local_rank is None:
+            raise UsageError(f"--tp {pc.tp_size} runs one process per rank: start them with "
+                             "engine.ranked.open_engine(args) (or dsctl generate / serve)")
+        from engine.distributed.groups import init_parallel
+
+        return init_parallel(pc, local_rank, pick_device(self.args.model.device).type)
+
+    def make_scheduler(self, **flags) -> Scheduler:
+        """A scheduler (and its output processor) over this engine's model; `flags` change scheduling /
+        cache flags from this engine's (e.g. disable_radix_cache=True)."""
+        args = self.args.replace(**flags)
         outputs = OutputProcessor(self.tokenizer, self.eos_ids, self.runner.max_model_len)
-        return Scheduler(self.runner, outputs, args or self.args)
+        return Scheduler(self.runner, outputs, args.scheduler, radix_cache=not args.cache.disable_radix_cache)
 
     @property
     def config(self):
@@ -78,7 +96,7 @@ class Engine:
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise UsageError(f"{self.args.model} has no tokenizer files here; pass token ids instead of text")
+            raise UsageError(f"{self.args.model.model} has no tokenizer files here; pass token ids instead of text")
         return self.tokenizer.encode(text)
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams, rid: Optional[str] = None) -> Request:
@@ -100,7 +118,7 @@ class Engine:
         if isinstance(prompts, str):
             prompts = [prompts]
         token_lists = [self.encode(p) for p in prompts] if prompts is not None else [list(x) for x in input_ids]
-        params = _per_prompt(sampling_params, len(token_lists))
+        params = per_prompt(sampling_params, len(token_lists))
         reqs = [self.make_request(ids, p) for ids, p in zip(token_lists, params)]
         for req in reqs:
             self.scheduler.add(req)
@@ -121,21 +139,28 @@ class Engine:
             self.scheduler.step()
 
     def _output(self, req: Request, got: CollectedOutput) -> GenerateOutput:
-        p = req.params
-        text = got.stop_text if got.stop_text is not None else self._decode(got.visible_ids(), p.skip_special_tokens)
-        return GenerateOutput(
-            text=text,
-            token_ids=got.output_ids,
-            finish_reason=got.finish_reason,
-            prompt_token_ids=req.prompt_ids,
-            logprobs=got.logprobs if p.logprobs or p.top_logprobs else None,
-            top_logprobs=got.top_logprobs if p.top_logprobs else None,
-            prompt_logprobs=got.prompt_logprobs,
-            matched_stop=got.matched_stop,
-        )
+        return build_output(req.prompt_ids, req.params, got, self._decode)
+
+    def close(self) -> None:
+        """Nothing to stop in one process (RankedEngine stops its ranks)."""
 
 
-def _per_prompt(sp, n: int) -> list[SamplingParams]:
+def build_output(prompt_ids: list[int], p: SamplingParams, got: CollectedOutput, decode) -> GenerateOutput:
+    """One request's GenerateOutput from its collected deltas; decode(ids, skip_special) -> text."""
+    text = got.stop_text if got.stop_text is not None else decode(got.visible_ids(), p.skip_special_tokens)
+    return GenerateOutput(
+        text=text,
+        token_ids=got.output_ids,
+        finish_reason=got.finish_reason,
+        prompt_token_ids=prompt_ids,
+        logprobs=got.logprobs if p.logprobs or p.top_logprobs else None,
+        top_logprobs=got.top_logprobs if p.top_logprobs else None,
+        prompt_logprobs=got.prompt_logprobs,
+        matched_stop=got.matched_stop,
+    )
+
+
+def per_prompt(sp, n: int) -> list[SamplingParams]:
     import copy
 
     if sp is None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from engine.args import EngineArgs
+from engine.args import ModelArgs
 from engine.config import ModelConfig, load_config, parse_config
 from engine.errors import CheckpointError, UsageError
 from engine.models import ModelEntry, lookup
@@ -94,7 +94,7 @@ def _cached_snapshot(repo_id: str, revision: Optional[str]) -> Optional[Path]:
         return None
 
 
-def resolve_model(args: EngineArgs) -> ResolvedModel:
+def resolve_model(args: ModelArgs) -> ResolvedModel:
     dummy = args.load_format == "dummy"
     entry = lookup(args.model)
     local = Path(args.model).expanduser()

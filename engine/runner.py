@@ -12,13 +12,14 @@ kernels/tuned_configs.py.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from engine.args import EngineArgs
+from engine.distributed.comm import all_reduce_min_int, broadcast_tensor
+from engine.distributed.groups import ParallelState, single_process
 from engine.errors import UsageError
 from engine.forward_batch import ForwardBatch
 from engine.memory.pools import KVPool, ReqToTokenPool
@@ -58,24 +59,23 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def kernel_config_dir(args: EngineArgs) -> Optional[str]:
-    """--kernel-config-dir, else its documented default $DSCTL_KERNEL_CONFIG_DIR (read here, never written)."""
-    return args.kernel_config_dir or os.environ.get(tuned_configs.ENV_DIR) or None
-
-
 class ModelRunner:
-    def __init__(self, args: EngineArgs, resolved: Optional[ResolvedModel] = None):
+    def __init__(self, args: EngineArgs, resolved: Optional[ResolvedModel] = None,
+                 parallel: Optional[ParallelState] = None):
+        """`parallel`: this rank's place in the TP world (default: one process, nothing split)."""
         args.validate()
         self.args = args
-        tuned_configs.set_user_config_dir(kernel_config_dir(args))
-        self.resolved = resolved or resolve_model(args)
+        tuned_configs.set_user_config_dir(args.kernels.config_dir())
+        self.resolved = resolved or resolve_model(args.model)
         cfg = self.resolved.config
-        self.device = pick_device(args.device)
-        self.dtype = pick_dtype(args.dtype, self.device)
-        self.num_layers = args.num_layers or cfg.num_hidden_layers
+        self.device = pick_device(args.model.device) if parallel is None else parallel.device
+        self.parallel = parallel or single_process(self.device)
+        self.dtype = pick_dtype(args.model.dtype, self.device)
+        self.num_layers = args.model.num_layers or cfg.num_hidden_layers
+        self.max_running_requests = args.scheduler.max_running_requests
         self.config = cfg.with_num_layers(self.num_layers)
         self.fp8_block = self._fp8_block()
-        self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = min(args.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.setup = BackendSetup(self.config, self.device, self.dtype, self._kv_dtype(),
                                   tuple(self._graph_batch_sizes()), interpreting())
         self.attention_backend, self.moe_backend = self._pick_backends()
@@ -87,26 +87,25 @@ class ModelRunner:
 
     def _pick_backends(self) -> tuple[str, str]:
         """Backend names ('auto' resolved) after their start-up checks, which reject what cannot run here."""
-        attention = "flashinfer" if self.args.enable_flashinfer_mla else self.args.attention_backend
-        return (ATTENTION_BACKENDS.resolve(attention, self.setup),
-                MOE_BACKENDS.resolve(self.args.moe_backend, self.setup))
+        return (ATTENTION_BACKENDS.resolve(self.args.kernels.attention, self.setup),
+                MOE_BACKENDS.resolve(self.args.kernels.moe_backend, self.setup))
 
     def _kv_dtype(self) -> torch.dtype:
         """The KV cache dtype (--kv-cache-dtype; FP8 caches need CUDA)."""
-        if self.args.kv_cache_dtype != "auto" and self.device.type != "cuda":
-            raise UsageError(f"--kv-cache-dtype {self.args.kv_cache_dtype} needs a CUDA GPU")
-        return KV_CACHE_DTYPES.get(self.args.kv_cache_dtype, self.dtype)
+        if self.args.cache.kv_cache_dtype != "auto" and self.device.type != "cuda":
+            raise UsageError(f"--kv-cache-dtype {self.args.cache.kv_cache_dtype} needs a CUDA GPU")
+        return KV_CACHE_DTYPES.get(self.args.cache.kv_cache_dtype, self.dtype)
 
     def _graph_batch_sizes(self) -> list[int]:
         """Decode batch sizes captured in CUDA graphs ([] when graphs are off)."""
-        if self.device.type != "cuda" or self.args.disable_cuda_graph:
+        if self.device.type != "cuda" or self.args.kernels.disable_cuda_graph:
             return []
-        sizes = [b for b in self.args.cuda_graph_batch_sizes() if b <= self.args.max_running_requests]
+        sizes = [b for b in self.args.kernels.cuda_graph_batch_sizes() if b <= self.max_running_requests]
         return sizes or [1]
 
     # ---- construction ------------------------------------------------------
     def _fp8_block(self) -> Optional[tuple[int, int]]:
-        cfg, q = self.resolved.config, self.args.quantization
+        cfg, q = self.resolved.config, self.args.model.quantization
         if q == "fp8" and cfg.fp8 is not None:
             raise UsageError(
                 "--quantization fp8: this checkpoint is already block-FP8 and is served as FP8 by default; "
@@ -130,7 +129,7 @@ class ModelRunner:
             from engine.weights.dummy import fill_dummy
             from engine.weights.loader import iter_params
 
-            fill_dummy(iter_params(modules), self.args.seed)
+            fill_dummy(iter_params(modules), self.args.model.seed)
             if self.mtp is not None:
                 self.mtp.embed_tokens, self.mtp.head = self.model.embed_tokens, self.model.lm_head
         else:
@@ -159,8 +158,9 @@ class ModelRunner:
         cfg = self.config
         cache_layers = self.num_layers + (1 if self.mtp is not None else 0)
         kv_dtype = self.setup.kv_dtype
-        self.req_to_token = ReqToTokenPool(self.args.max_running_requests, self.max_model_len + 1, self.device)
-        size = self.args.max_total_tokens or self._default_kv_tokens(cache_layers, kv_dtype)
+        self.req_to_token = ReqToTokenPool(self.max_running_requests, self.max_model_len + 1, self.device)
+        size = self.args.cache.max_total_tokens or self._default_kv_tokens(cache_layers, kv_dtype)
+        size = all_reduce_min_int(size, self.parallel.tp)  # every TP rank holds the same token slots
         self.kv_pool = KVPool(cache_layers, size, cfg.kv_cache_dim, kv_dtype, self.device)
         rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, self.max_model_len + 1, self.device)
         attention = ATTENTION_BACKENDS.build(self.attention_backend, self.setup, self.kv_pool, self.req_to_token)
@@ -173,11 +173,11 @@ class ModelRunner:
             return DEFAULT_CPU_KV_TOKENS
         per_token = cache_layers * self.config.kv_cache_dim * torch.finfo(kv_dtype).bits // 8
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * self.args.mem_fraction_static - (total - free)
+        budget = total * self.args.cache.mem_fraction_static - (total - free)
         if budget < per_token * 1024:
             raise UsageError(
                 f"after loading the weights only {budget / 2**30:.1f} GiB of the --mem-fraction-static "
-                f"{self.args.mem_fraction_static} budget is left for the KV cache: raise it, use fewer "
+                f"{self.args.cache.mem_fraction_static} budget is left for the KV cache: raise it, use fewer "
                 "--num-layers, or set --max-total-tokens")
         return int(budget // per_token)
 
@@ -185,7 +185,7 @@ class ModelRunner:
         from engine.cuda_graph import CudaGraphRunner
 
         compiled = None
-        if self.args.enable_torch_compile:
+        if self.args.kernels.enable_torch_compile:
             import torch._inductor.config as inductor_config
 
             # Round intermediates to bf16 where eager does, so compiled decode matches eager greedy output.
@@ -194,7 +194,7 @@ class ModelRunner:
         with torch.inference_mode():
             self.graphs = CudaGraphRunner(self._forward_eager, list(self.setup.graph_batch_sizes),
                                           self.req_to_token.padding_row, self.device, compiled,
-                                          self.args.torch_compile_max_bs, prepare=self.forward_ctx.begin_forward)
+                                          self.args.kernels.torch_compile_max_bs, prepare=self.forward_ctx.begin_forward)
 
     # ---- forward -----------------------------------------------------------
     def _forward_eager(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +209,10 @@ class ModelRunner:
             self.forward_ctx.begin_forward(fb)
             logits, hidden = self._forward_eager(fb)
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    def share_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Make every TP rank hold TP rank 0's sampled token ids (in place; nothing to do in one process)."""
+        return broadcast_tensor(tokens, 0, self.parallel.tp)
 
     @torch.inference_mode()
     def forward_mtp(self, fb: ForwardBatch) -> ForwardOutput:

@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from engine.args import EngineArgs
+from engine.args import SchedulerArgs
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.runner import ModelRunner
 from engine.sampling import PendingSample, sample_async
@@ -76,13 +76,12 @@ class _Chunk:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, outputs: OutputProcessor, args: Optional[EngineArgs] = None):
-        """Scheduling flags come from `args` (default: the runner's)."""
-        args = args or runner.args
+    def __init__(self, runner: ModelRunner, outputs: OutputProcessor, args: SchedulerArgs, radix_cache: bool = True):
+        """Scheduling flags come from `args`; `radix_cache` shares cached prompt prefixes between requests."""
         self.runner = runner
         self.outputs = outputs
         self.limits = PromptLimits(runner.max_model_len, runner.config.vocab_size, runner.kv_pool.size)
-        self.max_running = runner.args.max_running_requests  # the request table is sized by the runner's
+        self.max_running = runner.max_running_requests  # the request table is sized by the runner
         self.max_prefill_tokens = args.max_prefill_tokens
         chunk = args.chunked_prefill_size
         self.chunked_prefill_size = chunk if chunk is not None and chunk > 0 else None
@@ -90,7 +89,7 @@ class Scheduler:
         if self.schedule_policy not in POLICIES:
             raise ValueError(f"unknown schedule policy {self.schedule_policy!r}")
         self.overlap = not args.disable_overlap_schedule
-        self.mem = RequestMemory(runner.kv_pool, runner.req_to_token, not args.disable_radix_cache)
+        self.mem = RequestMemory(runner.kv_pool, runner.req_to_token, radix_cache)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # requests that decode (their prompt is prefilled)
         self.prefilling: Optional[Request] = None  # a long prompt between two chunks
@@ -350,7 +349,9 @@ class Scheduler:
         return torch.where(src >= 0, prev[src.clamp(min=0)], host_ids)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> PendingSample:
-        res = sample_async(logits, [r.params for r in reqs], [r.generator for r in reqs]).start_copy()
+        res = sample_async(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        self.runner.share_sampled(res.tokens)  # TP: every rank continues with rank 0's tokens
+        res.start_copy()
         for i, req in enumerate(reqs):
             req.pending += 1
             req.pending_row = i

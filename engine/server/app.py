@@ -35,7 +35,7 @@ OPEN_PATHS = ("/health",)
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.server
     if state.client.healthy:
-        return JSONResponse({"status": "ok", "engine_pid": state.client.pid})
+        return JSONResponse({"status": "ok", "engine_pid": state.client.pid, "engine_pids": state.client.pids})
     try:
         state.info()
     except APIError as exc:
@@ -46,7 +46,7 @@ async def health(request: Request) -> Response:
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.server
     card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "dsctl",
-            "root": state.args.model}
+            "root": state.model_root}
     if state.client.info is not None:
         card["max_model_len"] = state.client.info.max_model_len
     return JSONResponse({"object": "list", "data": [card]})
@@ -93,14 +93,15 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 def build_app(args: EngineArgs, tokenizer, client: EngineClient | None = None) -> Starlette:
     """The ASGI app; the engine process starts with the app's lifespan."""
     client = client or EngineClient(args)
-    state = ServerState(args=args, client=client, tokenizer=tokenizer, metrics=ServerMetrics(client),
-                        model_name=args.served_model_name or args.model)
+    state = ServerState(args=args.server, client=client, tokenizer=tokenizer, metrics=ServerMetrics(client),
+                        model_name=args.server.served_model_name or args.model.model, model_root=args.model.model)
 
     def on_dead(startup: bool) -> None:
-        if startup:  # the model never loaded: nothing to serve
-            state.exit_code = 1
-            if state.request_exit is not None:
-                state.request_exit()
+        # The model never loaded, or a rank died (its requests already got errors): nothing left to
+        # serve with. Exit non-zero so that a supervisor (systemd, Kubernetes) restarts the server.
+        state.exit_code = 1
+        if state.request_exit is not None:
+            state.request_exit()
 
     client.on_dead = on_dead
 
@@ -122,6 +123,6 @@ def build_app(args: EngineArgs, tokenizer, client: EngineClient | None = None) -
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected})
     app.state.server = state
-    if args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    if args.server.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.server.api_key)
     return app

@@ -1,11 +1,13 @@
-"""EngineClient: the serving process's handle on the engine process.
+"""EngineClient: the serving process's handle on the engine's rank processes.
 
-Starts the engine process (multiprocessing, spawn) with one pipe each way. A
-sender thread writes requests to it so the event loop never blocks on a full
-pipe; a reader thread receives its messages and hands them to the event loop,
-which routes each request's outputs to the asyncio queue of the HTTP request
-that owns it. If the engine process dies, every in-flight request gets an
-`EngineDead` item at once and `healthy` turns False.
+Starts this node's engine ranks (`engine.distributed.launch.start_ranks`: one spawned
+process per GPU rank, one in all for --tp 1) with one pipe each way to rank 0. A
+sender thread writes requests to it so the event loop never blocks on a full pipe; a
+reader thread receives its messages and hands them to the event loop, which routes each
+request's outputs to the asyncio queue of the HTTP request that owns it. A watcher
+thread owns the rank supervisor: if any rank dies (killed, OOM, exception), the others
+are stopped, every in-flight request gets an `EngineDead` item at once naming the rank
+and its error, and `healthy` turns False.
 """
 
 from __future__ import annotations
@@ -69,13 +71,15 @@ class EngineClient:
         self._ids = itertools.count()
         self._outq: "queue.Queue" = queue.Queue()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._proc = None
+        self._ranks = None  # engine.distributed.launch.RankSupervisor
+        self._watcher: Optional[threading.Thread] = None
         self.ready: Optional[asyncio.Event] = None  # created in start(), on the running loop
         self.on_dead = None  # optional callback(startup: bool), called when the engine dies
         self._stopping = False
 
     # ---- lifecycle -----------------------------------------------------------
     def start(self) -> None:
+        from engine.distributed.launch import start_ranks, with_local_init_addr
         from engine.server.engine_process import engine_main
 
         self._loop = asyncio.get_running_loop()
@@ -83,38 +87,46 @@ class EngineClient:
         ctx = mp.get_context("spawn")
         to_engine_r, to_engine_w = ctx.Pipe(duplex=False)
         from_engine_r, from_engine_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=engine_main, args=(self.args, to_engine_r, from_engine_w),
-                                 name="dsctl-engine", daemon=False)
-        self._proc.start()
+        pc = with_local_init_addr(self.args.parallel.config())
+        args = self.args.replace(dist_init_addr=pc.dist_init_addr)
+        self._ranks = start_ranks(engine_main, pc.ranks_per_node, (args, to_engine_r, from_engine_w),
+                                  first_rank=pc.global_rank(0))
         to_engine_r.close()
         from_engine_w.close()
         self._conn_out, self._conn_in = to_engine_w, from_engine_r
         threading.Thread(target=self._send_loop, name="engine-sender", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch_ranks, name="engine-ranks", daemon=True)
+        self._watcher.start()
         threading.Thread(target=self._recv_loop, name="engine-reader", daemon=True).start()
-        log.info("engine process started (pid %d)", self._proc.pid)
+        log.info("engine started: %d rank process(es), pids %s", len(self._ranks.pids), self._ranks.pids)
 
     @property
     def pid(self) -> Optional[int]:
-        return self._proc.pid if self._proc else None
+        """Rank 0's process id."""
+        return self._ranks.pids[0] if self._ranks else None
+
+    @property
+    def pids(self) -> list[int]:
+        return list(self._ranks.pids) if self._ranks else []
 
     @property
     def healthy(self) -> bool:
         return self.info is not None and self.dead_reason is None
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the engine process to abort what is left and exit; kill it if it does not."""
-        if self._proc is None:
+        """Ask the engine ranks to abort what is left and exit; stop them if they do not in `timeout` s."""
+        if self._ranks is None:
             return
         self._stopping = True
-        if self.info is None and self._proc.is_alive():
-            self._proc.kill()  # still loading the model: nothing to drain
-        elif self._proc.is_alive():
+        if self.info is None:
+            self._ranks.stop(grace=1.0)  # still loading the model: nothing to drain
+        else:
             self._outq.put(Shutdown())
-        await asyncio.to_thread(self._proc.join, timeout)
-        if self._proc.is_alive():
-            log.warning("engine process did not exit in %.0fs; killing it", timeout)
-            self._proc.kill()
-            await asyncio.to_thread(self._proc.join, 5)
+        await asyncio.to_thread(self._watcher.join, timeout)
+        if self._watcher.is_alive():
+            log.warning("engine ranks did not exit within %.0fs of the shutdown request; stopping them", timeout)
+            self._ranks.stop(grace=2.0)
+            await asyncio.to_thread(self._watcher.join, 5)
         self._outq.put(None)
         self._fail_all("the server is shutting down")
 
@@ -125,7 +137,7 @@ class EngineClient:
             raise EngineUnavailable(f"the engine process is not running ({self.dead_reason.splitlines()[0]})")
         if self.info is None:
             raise EngineUnavailable("the engine is still loading the model")
-        limit = self.args.max_queued_requests
+        limit = self.args.server.max_queued_requests
         if limit is not None and len(self.pending) + n > limit:
             raise QueueFull(f"{len(self.pending)} requests are already waiting (--max-queued-requests {limit})")
 
@@ -165,6 +177,7 @@ class EngineClient:
                 return  # engine gone; the reader reports it
 
     def _recv_loop(self) -> None:
+        msg = None
         while True:
             try:
                 msg = self._conn_in.recv()
@@ -172,12 +185,23 @@ class EngineClient:
                 break
             except Exception as exc:  # noqa: BLE001 - a torn message from a dying process
                 msg = EngineFailed(f"unreadable message from the engine process: {exc}")
-            self._call(self._dispatch, msg)
             if isinstance(msg, EngineFailed):
                 break
-        self._proc.join(2)
-        code = self._proc.exitcode
-        self._call(self._died, f"the engine process exited (exit code {code})")
+            self._call(self._dispatch, msg)
+        # Rank 0 is gone or failing: let the supervisor name the rank that failed first (the root
+        # cause when another rank's death broke rank 0's collectives), else use rank 0's own report.
+        from engine.ranked import failure_reason
+
+        self._watcher.join(10.0)
+        if self._watcher.is_alive():  # rank 0 failed but the others still run: stop them
+            self._ranks.stop(grace=2.0)
+            self._watcher.join(10.0)
+        report = msg.message if isinstance(msg, EngineFailed) else None
+        self._call(self._died, failure_reason(self._ranks.root, report))
+
+    def _watch_ranks(self) -> None:
+        """Own the supervisor: returns when every rank exited cleanly or one failed (the rest stopped)."""
+        self._ranks.wait()
 
     def call_later(self, delay: float, fn) -> bool:
         """Thread-safe (signal handlers too): run fn() on the event loop after delay seconds.

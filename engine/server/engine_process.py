@@ -1,13 +1,19 @@
-"""The engine process: owns the Engine (scheduler + model) and runs the forward loop.
+"""An engine rank process: owns one Engine (scheduler + model shard) and runs the forward loop.
 
-It is started by the serving process (multiprocessing, spawn) with two pipes. The
-loop drains incoming messages (add / abort / shutdown), runs `scheduler.step()`
-while there is work, and after each step sends the deltas the scheduler's output
-processor gathered (`RequestOutput`: new tokens, log-probs, finishes; the same
-deltas the offline Engine collects) with the scheduler's load and KV statistics.
-Requests carry the serving process's ids, so deltas go out as they are.
-When idle it blocks on the inbox; when the serving process goes away (pipe EOF)
-it exits.
+The serving process (or an offline `RankedEngine`) starts one such process per GPU rank
+through `engine.distributed.launch.start_ranks`; TP rank 0 holds two pipes. The loop
+drains incoming messages (add / abort / shutdown), runs `scheduler.step()` while there is
+work, and after each step rank 0 sends the deltas the scheduler's output processor
+gathered (`RequestOutput`: new tokens, log-probs, finishes; the same deltas the offline
+Engine collects) with the scheduler's load and KV statistics. Requests carry the serving
+process's ids, so deltas go out as they are.
+
+With tensor parallelism every rank runs the same scheduler on the same inputs (a mirror):
+each iteration rank 0 broadcasts the messages it received (an empty list as a heartbeat
+when idle, so that the others never wait past --dist-timeout), every rank applies them
+and steps; the sampled tokens are broadcast from rank 0 inside the step (the runner), so
+every scheduler makes the same decisions. Only rank 0 talks to the serving process.
+When the serving process goes away (pipe EOF) rank 0 tells the others to stop.
 """
 
 from __future__ import annotations
@@ -18,12 +24,15 @@ import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
+from typing import Optional
 
 from engine.args import EngineArgs
 from engine.errors import DsctlError
 from engine.server import protocol
 
 log = logging.getLogger("dsctl.engine")
+
+HEARTBEAT_S = 1.0  # an idle TP rank 0 broadcasts an empty message list this often
 
 
 def scheduler_stats(scheduler, runner) -> protocol.EngineStats:
@@ -37,11 +46,16 @@ def scheduler_stats(scheduler, runner) -> protocol.EngineStats:
 
 
 class EngineLoop:
-    """Message handling around one Engine; sends the scheduler's deltas after every step."""
+    """Message handling around one Engine; rank 0 sends the scheduler's deltas after every step."""
 
-    def __init__(self, engine, outbox: Connection):
+    def __init__(self, engine, outbox: Optional[Connection]):
         self.engine = engine
-        self.outbox = outbox
+        self.outbox = outbox  # None on TP ranks other than 0
+        self.tp = engine.runner.parallel.tp
+
+    def _send(self, msg) -> None:
+        if self.outbox is not None:
+            self.outbox.send(msg)
 
     def handle(self, msg) -> bool:
         """Apply one message; False when the loop should stop."""
@@ -60,10 +74,10 @@ class EngineLoop:
             req = self.engine.make_request(msg.prompt_ids, msg.params, rid=msg.rid)
             self.engine.scheduler.add(req)
         except DsctlError as exc:
-            self.outbox.send(protocol.AddFailed(msg.rid, str(exc), user_error=True))
+            self._send(protocol.AddFailed(msg.rid, str(exc), user_error=True))
         except Exception as exc:  # noqa: BLE001 - one bad request must not take the engine down
             log.exception("adding request %s failed", msg.rid)
-            self.outbox.send(protocol.AddFailed(msg.rid, f"internal error: {exc}", user_error=False))
+            self._send(protocol.AddFailed(msg.rid, f"internal error: {exc}", user_error=False))
 
     def step(self) -> None:
         if self.engine.scheduler.has_work():
@@ -72,10 +86,13 @@ class EngineLoop:
     def send_outputs(self) -> None:
         """Send the deltas gathered since the last call, and the stats."""
         outputs = self.engine.scheduler.take_outputs()
-        stats = scheduler_stats(self.engine.scheduler, self.engine.runner)
-        self.outbox.send(protocol.StepOutputs(outputs, stats))
+        if self.outbox is not None:
+            self.outbox.send(protocol.StepOutputs(outputs, scheduler_stats(self.engine.scheduler, self.engine.runner)))
 
-    def run(self, inbox: Connection) -> None:
+    def run(self, inbox: Optional[Connection]) -> None:
+        if self.tp.size > 1:
+            self._run_mirrored(inbox)
+            return
         while True:
             busy = self.engine.scheduler.has_work()
             got_any = False
@@ -88,6 +105,32 @@ class EngineLoop:
                 self.step()
                 self.send_outputs()
 
+    def _run_mirrored(self, inbox: Optional[Connection]) -> None:
+        """The TP loop: rank 0's messages reach every rank in the same order before the same step."""
+        from engine.distributed.comm import broadcast_object
+
+        while True:
+            busy = self.engine.scheduler.has_work()
+            msgs = self._drain(inbox, busy) if self.tp.is_first else None
+            msgs = broadcast_object(msgs, 0, self.tp)
+            for msg in msgs:
+                if not self.handle(msg):
+                    return
+            if busy or msgs:
+                self.step()
+                self.send_outputs()
+
+    def _drain(self, inbox: Connection, busy: bool) -> list:
+        """Rank 0: what arrived (waiting up to HEARTBEAT_S when idle); a closed pipe reads as Shutdown."""
+        msgs, timeout = [], 0 if busy else HEARTBEAT_S
+        try:
+            while inbox.poll(timeout):
+                msgs.append(inbox.recv())
+                timeout = 0
+        except (EOFError, OSError):
+            msgs.append(protocol.Shutdown())
+        return msgs
+
 
 def _warm_up(engine) -> None:
     """One short generation before reporting ready, so the first real request does not pay for lazy init."""
@@ -98,33 +141,50 @@ def _warm_up(engine) -> None:
                     sampling_params=SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
 
 
-def engine_main(args: EngineArgs, inbox: Connection, outbox: Connection) -> None:
-    """Entry point of the spawned engine process."""
+def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], outbox: Optional[Connection]) -> None:
+    """Entry point of one spawned engine rank (`start_ranks` target). The pipes are used by world rank 0
+    only (other ranks, and every rank on nodes other than 0, get None or close theirs)."""
     # Ctrl-C and a SIGTERM sent to the whole process group are for the serving process to handle:
-    # it aborts the requests and tells this process to stop (or this process sees the pipe close).
+    # it aborts the requests and tells the ranks to stop (or rank 0 sees the pipe close).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
+    pc = args.parallel.config()
+    rank = pc.global_rank(local_rank)
+    if rank != 0:
+        for conn in (inbox, outbox):
+            if conn is not None:
+                conn.close()
+        inbox = outbox = None
+    logging.basicConfig(level=args.server.log_level.upper(),
+                        format=f"%(asctime)s engine{'' if pc.world_size == 1 else f' rank {rank}'} %(levelname)s "
+                               "%(message)s")
     try:
         from engine.engine import Engine
 
-        engine = Engine(args)
+        engine = Engine(args, local_rank=local_rank)
         _warm_up(engine)
     except BaseException as exc:  # noqa: BLE001 - report any startup failure to the server
         msg = str(exc) if isinstance(exc, DsctlError) else traceback.format_exc()
+        if outbox is None:
+            raise  # the supervisor reports this rank's error
         outbox.send(protocol.EngineFailed(f"engine failed to start: {msg}"))
         sys.exit(1)
     runner = engine.runner
-    outbox.send(protocol.EngineInfo(max_model_len=runner.max_model_len, vocab_size=engine.config.vocab_size,
-                           kv_total_tokens=int(runner.kv_pool.size),
-                           max_running_requests=args.max_running_requests, pid=os.getpid()))
+    if outbox is not None:
+        outbox.send(protocol.EngineInfo(max_model_len=runner.max_model_len, vocab_size=engine.config.vocab_size,
+                                        kv_total_tokens=int(runner.kv_pool.size),
+                                        max_running_requests=args.scheduler.max_running_requests, pid=os.getpid()))
     loop = EngineLoop(engine, outbox)
     try:
         loop.run(inbox)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the serving process is gone
     except BaseException:  # noqa: BLE001
+        if outbox is None:
+            raise  # the supervisor reports this rank's error
         try:
             outbox.send(protocol.EngineFailed(f"engine process crashed:\n{traceback.format_exc()}"))
         finally:
             sys.exit(1)
+    finally:
+        runner.parallel.destroy()

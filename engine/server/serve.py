@@ -4,8 +4,12 @@ The tokenizer is loaded here (the serving process); the model loads in the
 engine process while the port is already open (/health answers 503 until it is
 ready). SIGTERM stops accepting connections, lets in-flight requests finish for
 up to --shutdown-timeout seconds, then aborts the rest (streams end with
-finish_reason "abort" and [DONE]), stops the engine process and returns
+finish_reason "abort" and [DONE]), stops the engine ranks and returns
 normally, so the process exits 0.
+
+On a node other than 0 (--nnodes N --node-rank R > 0) there is no HTTP side: this node's
+engine ranks join node 0's world and run until node 0 stops them (or one fails, which
+ends the process non-zero with the rank's error).
 """
 
 from __future__ import annotations
@@ -20,6 +24,14 @@ from engine.errors import DsctlError, UsageError
 
 class EngineStartError(DsctlError):
     """The engine process could not load the model."""
+
+
+class EngineDied(DsctlError):
+    """An engine rank died while serving; the server exits non-zero (its requests got errors)."""
+
+
+class EngineRanksFailed(DsctlError):
+    """An engine rank of this node failed."""
 
 
 ABORT_GRACE_S = 5.0  # after aborting, how long uvicorn waits for the aborted responses before cancelling them
@@ -68,22 +80,26 @@ def _bind(host: str, port: int) -> socket.socket:
 def serve(args: EngineArgs) -> None:
     import uvicorn
 
-    from engine.resolve import resolve_model
+    from engine.ranked import check_launch
     from engine.server.app import build_app
     from engine.tokenizer import load_tokenizer
 
     args.validate()
-    level = args.log_level.upper()
+    http = args.server
+    level = http.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    resolved = resolve_model(args)  # fail fast on a bad --model, before starting anything
+    resolved = check_launch(args)  # fail fast on a bad --model or parallel layout, before starting anything
+    if args.parallel.node_rank > 0:
+        serve_ranks_only(args)
+        return
     tokenizer = load_tokenizer(resolved.tokenizer_path)
     app = build_app(args, tokenizer)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S,
-                            access_log=args.log_level == "debug")
-    sock = _bind(args.host, args.port)  # before the engine starts, so a busy port fails fast
+    config = uvicorn.Config(app, host=http.host, port=http.port, log_level=http.log_level,
+                            timeout_graceful_shutdown=http.shutdown_timeout + ABORT_GRACE_S,
+                            access_log=http.log_level == "debug")
+    sock = _bind(http.host, http.port)  # before the engine starts, so a busy port fails fast
     state = app.state.server
-    server = _uvicorn_server(config, lambda: _abort_later(state, args.shutdown_timeout))
+    server = _uvicorn_server(config, lambda: _abort_later(state, http.shutdown_timeout))
     state.request_exit = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises a captured SIGTERM after its graceful shutdown; with this handler in place
     # that re-raise is a no-op and the process exits 0 instead of dying by the signal.
@@ -93,4 +109,33 @@ def serve(args: EngineArgs) -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     if state.exit_code:
-        raise EngineStartError(state.client.dead_reason or "the engine process failed")
+        reason = state.client.dead_reason or "the engine process failed"
+        raise (EngineStartError if state.client.info is None else EngineDied)(reason)
+
+
+def serve_ranks_only(args: EngineArgs) -> None:
+    """Node R > 0 of a multi-node job: run this node's ranks until they exit; SIGTERM stops them."""
+    from engine.distributed.launch import start_ranks
+    from engine.server.engine_process import engine_main
+
+    log = logging.getLogger("dsctl.server")
+    pc = args.parallel.config()
+    ranks = start_ranks(engine_main, pc.ranks_per_node, (args, None, None), first_rank=pc.global_rank(0))
+    log.info("node %d: engine ranks %d..%d started (pids %s), joining %s", pc.node_rank, pc.global_rank(0),
+             pc.global_rank(pc.ranks_per_node - 1), ranks.pids, pc.dist_init_addr)
+    stopping: list[int] = []
+
+    def on_sigterm(*_) -> None:
+        stopping.append(1)
+        ranks.stop(grace=2.0)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        failure = ranks.wait()
+    except KeyboardInterrupt:
+        ranks.stop()
+        return
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if failure is not None and not stopping:
+        raise EngineRanksFailed(f"engine {failure.message()}")

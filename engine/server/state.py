@@ -1,4 +1,4 @@
-"""ServerState: what every route needs (args, engine client, tokenizer, metrics, model name)."""
+"""ServerState: what every route needs (server flags, engine client, tokenizer, metrics, model names)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.args import EngineArgs
+from engine.args import ServerArgs
 from engine.server.engine_client import EngineClient
 from engine.server.errors import APIError, unavailable
 from engine.server.metrics import ServerMetrics
@@ -16,11 +16,12 @@ from engine.server.protocol import EngineInfo
 
 @dataclass
 class ServerState:
-    args: EngineArgs
+    args: ServerArgs
     client: EngineClient
     tokenizer: object  # engine.tokenizer.Tokenizer or None
     metrics: ServerMetrics
-    model_name: str
+    model_name: str  # what /v1/models reports and requests must name (--served-model-name, else --model)
+    model_root: str  # --model as given (the card's "root")
     created: int = field(default_factory=lambda: int(time.time()))
     exit_code: int = 0
     request_exit: Optional[callable] = None  # set by serve(): ask uvicorn to stop

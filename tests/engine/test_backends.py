@@ -69,9 +69,9 @@ def test_runner_reports_the_check_of_the_backend_it_cannot_run(monkeypatch):
 
     monkeypatch.setattr(runner_mod, "interpreting", lambda: False)
     with pytest.raises(UsageError, match="the Triton kernels need a CUDA GPU"):
-        ModelRunner(EngineArgs(model="tiny", device="cpu", moe_backend="triton", max_total_tokens=256))
+        ModelRunner(EngineArgs.of(model="tiny", device="cpu", moe_backend="triton", max_total_tokens=256))
     with pytest.raises(UsageError, match="--attention-backend flashinfer needs a CUDA GPU"):
-        ModelRunner(EngineArgs(model="tiny", device="cpu", enable_flashinfer_mla=True, max_total_tokens=256))
+        ModelRunner(EngineArgs.of(model="tiny", device="cpu", enable_flashinfer_mla=True, max_total_tokens=256))
 
 
 def test_registering():

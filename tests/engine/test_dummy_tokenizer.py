@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from engine.args import EngineArgs
+from engine.args import ModelArgs
 from engine.config import parse_config
 from engine.models import MODELS, lookup
 from engine.resolve import resolve_model, tokenizer_source
@@ -32,7 +32,7 @@ def tokenizers():
     """alias -> (resolved model, loaded tokenizer) for every hub alias, dummy weights, nothing downloaded."""
     out = {}
     for alias in ALIASES:
-        resolved = resolve_model(EngineArgs(model=alias, load_format="dummy"))
+        resolved = resolve_model(ModelArgs(model=alias, load_format="dummy"))
         out[alias] = resolved, load_tokenizer(resolved.tokenizer_path)
     return out
 
@@ -113,18 +113,18 @@ def test_bad_ids_are_rejected():
 def test_tokenizer_source_says_checkpoint_or_generated(tmp_path):
     import shutil
 
-    tiny = resolve_model(EngineArgs(model="tiny"))
+    tiny = resolve_model(ModelArgs(model="tiny"))
     assert tiny.tokenizer_source == "generated" and tiny.tokenizer_path == tiny.path
     assert tokenizer_source(lookup("tiny")) == "generated"
     assert tokenizer_source(lookup("deepseek-v3")) == "generated"  # not in the (offline, empty) HF cache
     # a local checkpoint directory with tokenizer files: its own tokenizer
-    local = resolve_model(EngineArgs(model=str(tiny.path), load_format="dummy"))
+    local = resolve_model(ModelArgs(model=str(tiny.path), load_format="dummy"))
     assert (local.tokenizer_source, local.tokenizer_path) == ("checkpoint", tiny.path)
     # a local directory with only config.json and dummy weights: a generated one at its vocab size
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(tiny.path / "config.json", bare / "config.json")
-    r = resolve_model(EngineArgs(model=str(bare), load_format="dummy"))
+    r = resolve_model(ModelArgs(model=str(bare), load_format="dummy"))
     assert r.tokenizer_source == "generated" and r.tokenizer_path != bare
     assert len(load_tokenizer(r.tokenizer_path).hf) == r.config.vocab_size
 

@@ -5,14 +5,14 @@ import os
 
 import pytest
 
-from engine.args import EngineArgs
-from engine.runner import ModelRunner, kernel_config_dir
+from engine.args import KERNEL_CONFIG_DIR_ENV, EngineArgs, KernelArgs
+from engine.runner import ModelRunner
 from kernels import tuned_configs as tc
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    monkeypatch.delenv(tc.ENV_DIR, raising=False)
+    monkeypatch.delenv(KERNEL_CONFIG_DIR_ENV, raising=False)
     tc.set_user_config_dir(None)
     tc.clear_config_cache()
     yield
@@ -21,7 +21,7 @@ def fresh(monkeypatch):
 
 
 def _runner(**kw):
-    return ModelRunner(EngineArgs(model="tiny", device="cpu", max_total_tokens=256, max_running_requests=4, **kw))
+    return ModelRunner(EngineArgs.of(model="tiny", device="cpu", max_total_tokens=256, max_running_requests=4, **kw))
 
 
 def test_flag_is_registered_and_wins_without_writing_the_environment(tmp_path, monkeypatch):
@@ -45,11 +45,11 @@ def test_environment_variable_is_the_flag_default(tmp_path, monkeypatch):
     env_dir, flag_dir = tmp_path / "env", tmp_path / "flag"
     env_dir.mkdir()
     flag_dir.mkdir()
-    monkeypatch.setenv(tc.ENV_DIR, str(env_dir))
-    assert kernel_config_dir(EngineArgs()) == str(env_dir)
-    assert kernel_config_dir(EngineArgs(kernel_config_dir=str(flag_dir))) == str(flag_dir)
+    monkeypatch.setenv(KERNEL_CONFIG_DIR_ENV, str(env_dir))
+    assert KernelArgs().config_dir() == str(env_dir)
+    assert KernelArgs(kernel_config_dir=str(flag_dir)).config_dir() == str(flag_dir)
     before = dict(os.environ)
     _runner()
     assert tc.user_config_dir() == env_dir and dict(os.environ) == before
-    monkeypatch.delenv(tc.ENV_DIR)
-    assert kernel_config_dir(EngineArgs()) is None
+    monkeypatch.delenv(KERNEL_CONFIG_DIR_ENV)
+    assert KernelArgs().config_dir() is None

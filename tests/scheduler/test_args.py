@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.args import MODEL, EngineArgs, fields_in_groups
+from engine.args import EngineArgs, fields_in_groups, group_of
 from engine.errors import UsageError
 
 FLAGS = ("max_prefill_tokens", "chunked_prefill_size", "disable_radix_cache", "schedule_policy",
@@ -11,8 +11,7 @@ FLAGS = ("max_prefill_tokens", "chunked_prefill_size", "disable_radix_cache", "s
 
 def test_defaults():
     a = EngineArgs().validate()
-    assert (a.max_prefill_tokens, a.chunked_prefill_size, a.disable_radix_cache, a.schedule_policy,
-            a.disable_overlap_schedule) == (16384, 8192, False, "fcfs", False)
+    assert [a.value(name) for name in FLAGS] == [16384, 8192, False, "fcfs", False]
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -24,16 +23,38 @@ def test_defaults():
 ])
 def test_bad_values_are_rejected_with_a_reason(changes, message):
     with pytest.raises(UsageError, match=message):
-        EngineArgs(**changes).validate()
+        EngineArgs.of(**changes).validate()
 
 
 @pytest.mark.parametrize("changes", [dict(chunked_prefill_size=-1), dict(chunked_prefill_size=None),
                                      dict(chunked_prefill_size=1, max_prefill_tokens=1),
                                      dict(schedule_policy="lpm")])
 def test_good_values_pass(changes):
-    EngineArgs(**changes).validate()
+    EngineArgs.of(**changes).validate()
 
 
-def test_flags_are_in_the_model_group_used_by_serve_and_generate():
-    names = {f.name for f in fields_in_groups((MODEL,))}
+def test_flags_live_in_the_group_of_the_layer_that_reads_them():
+    assert {group_of(name) for name in FLAGS} == {"scheduler", "cache"}
+    assert group_of("disable_radix_cache") == "cache" and group_of("tp_size") == "parallel"
+    names = {f.name for _, f in fields_in_groups(("scheduler", "cache"))}
     assert set(FLAGS) <= names
+
+
+def test_replace_routes_flat_flags_to_their_groups_and_keeps_the_original():
+    base = EngineArgs()
+    changed = base.replace(max_prefill_tokens=7, tp_size=2, port=8080)
+    assert (changed.scheduler.max_prefill_tokens, changed.parallel.tp_size, changed.server.port) == (7, 2, 8080)
+    assert (base.scheduler.max_prefill_tokens, base.parallel.tp_size, base.server.port) == (16384, 1, 30000)
+    with pytest.raises(TypeError, match="unknown engine flag"):
+        base.replace(no_such_flag=1)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(dp_size=2), "arrives with DP attention"),
+    (dict(ep_size=2, tp_size=2), "arrive with expert parallelism"),
+    (dict(nnodes=2, tp_size=2), "needs --dist-init-addr"),
+    (dict(tp_size=0), "--tp-size must be >= 1"),
+])
+def test_parallel_flags_are_checked(changes, message):
+    with pytest.raises(UsageError, match=message):
+        EngineArgs.of(**changes).validate()

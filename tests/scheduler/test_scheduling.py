@@ -40,7 +40,7 @@ def _use(engine, **opts) -> Scheduler:
     old.flush()
     if old.cache is not None:
         old.cache.evict_all()
-    sched = engine.make_scheduler(engine.args.replace(**opts))
+    sched = engine.make_scheduler(**opts)
     engine.scheduler = sched
     return sched
 
@@ -60,7 +60,7 @@ def _check_pool(engine, sched, evict=True):
         if evict:
             sched.cache.evict_all()
             assert pool.available() == pool.size and sched.cache.total_size() == 0
-    assert engine.runner.req_to_token.available() == engine.args.max_running_requests
+    assert engine.runner.req_to_token.available() == engine.args.scheduler.max_running_requests
 
 
 def _gen(engine, prompts, sp, check=True, **opts):

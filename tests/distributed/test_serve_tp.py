@@ -1,0 +1,113 @@
+"""`dsctl serve --tp 2` on CPU (gloo): the OpenAI API over two engine ranks, and how it fails and stops.
+
+Also the two-node form: two `dsctl serve` launches (--nnodes 2 --node-rank 0|1) on 127.0.0.1
+form one TP-2 world; node 0 serves HTTP, node 1 runs a rank only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from tests.server.conftest import free_port, launch, wait_for
+
+PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4 5", "def fibonacci(n):"]
+
+
+def _greedy(srv) -> list[str]:
+    client = srv.client()
+    return [client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0).choices[0].text
+            for p in PROMPTS]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def one_process_text():
+    srv = launch("--device", "cpu")
+    try:
+        yield _greedy(srv)
+    finally:
+        srv.stop()
+
+
+def test_tp2_server_matches_one_process_and_takes_32_streams(one_process_text):
+    srv = launch("--device", "cpu", "--tp", "2")
+    try:
+        pids = srv.get("/health").json()["engine_pids"]
+        assert len(pids) == 2
+        assert _greedy(srv) == one_process_text
+
+        async def streams():
+            client = srv.async_client()
+
+            async def one(i):
+                stream = await client.completions.create(model="tiny", prompt=f"stream {i}:", max_tokens=12,
+                                                         temperature=0.7, stream=True)
+                return "".join([c.choices[0].text async for c in stream if c.choices])
+
+            return await asyncio.gather(*(one(i) for i in range(32)), return_exceptions=True)
+
+        results = asyncio.run(streams())
+        failures = [r for r in results if isinstance(r, BaseException)]
+        assert not failures, failures[:3]
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=60) == 0, srv.log()
+        assert wait_for(lambda: not any(_alive(p) for p in pids), timeout=10), "a rank outlived the server"
+    finally:
+        srv.stop()
+
+
+def test_killing_a_rank_ends_the_server_with_its_name():
+    srv = launch("--device", "cpu", "--tp", "2", "--dist-timeout", "30")
+    try:
+        pids = srv.get("/health").json()["engine_pids"]
+        os.kill(pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        code = srv.proc.wait(timeout=45)
+        assert code != 0 and time.monotonic() - start < 30
+        assert re.search(r"rank 1 \(pid \d+\) failed: killed by SIGKILL", srv.log()), srv.log()
+        assert wait_for(lambda: not any(_alive(p) for p in pids), timeout=10)
+    finally:
+        srv.stop()
+
+
+def test_two_nodes_form_one_tp2_world(one_process_text):
+    addr = f"127.0.0.1:{free_port()}"
+    common = ["--device", "cpu", "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    log = tempfile.NamedTemporaryFile("w", prefix="dsctl-node1-", suffix=".log", delete=False)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    node1 = subprocess.Popen([sys.executable, "-m", "dsctl", "serve", *common, "--node-rank", "1"],
+                             stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        node0 = launch(*common, "--node-rank", "0")
+        try:
+            assert len(node0.get("/health").json()["engine_pids"]) == 1  # node 0 runs rank 0 only
+            assert _greedy(node0) == one_process_text
+            node0.proc.send_signal(signal.SIGTERM)
+            assert node0.proc.wait(timeout=60) == 0, node0.log()
+            assert node1.wait(timeout=30) == 0, open(log.name).read()  # rank 1 stops with node 0
+        finally:
+            node0.stop()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait(10)
