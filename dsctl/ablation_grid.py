@@ -2,51 +2,47 @@
 
 Features are the columns of SGLang's DeepSeek ablation table (MLA optimisation,
 torch.compile, CUDA graph, radix cache, FlashInfer MLA, NextN, EP-MoE, DP
-attention), each tied to the EngineArgs field that switches it. A feature is a
-column only when its field exists in EngineArgs today, so the columns of
-features still to come appear by themselves when their flags land.
+attention), each tied to the engine flag (EngineArgs field) that switches it.
+`FEATURES` lists them all; a feature whose engine support has not landed yet has
+`landed=False` and is no column and no row. When it lands, flipping that one word
+adds its column and every seed row that uses it (tests/bench/test_ablation.py
+checks that every landed feature names a real EngineArgs field).
 
 Rows: the configuration as given (engine defaults plus the user's flags), each
-available feature flipped on its own, then the seed table's combinations whose
-"on" features all exist here. Duplicates are dropped.
+landed feature flipped on its own, then the seed table's combinations whose "on"
+features have all landed. Duplicates are dropped. On a CPU, features that need a
+CUDA GPU are off in the base row and a row that turns one on is refused (❌ with
+that reason) without starting a process.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Optional
 
-from engine.args import EngineArgs
-
-
-def _field(name: str):
-    return next((f for f in dataclasses.fields(EngineArgs) if f.name == name), None)
+from engine.args import GROUPS, EngineArgs, fields_in_groups
 
 
-def _ep_on(base: EngineArgs) -> int:
-    """EP over the tensor-parallel group when there is one, else 2 ranks (fails on one GPU, with the reason)."""
-    tp = getattr(base, "tp_size", 1) or 1
-    return tp if tp > 1 else 2
-
-
-def _nextn_on(base: EngineArgs) -> Any:
-    choices = _field("speculative_algorithm").metadata.get("choices") or ()
-    return "NEXTN" if "NEXTN" in choices or not choices else next(c for c in choices if c)
+def engine_field(name: str) -> Optional[dataclasses.Field]:
+    """The EngineArgs field (in any group) called `name`, or None."""
+    return next((f for _, f in fields_in_groups(tuple(GROUPS)) if f.name == name), None)
 
 
 @dataclass(frozen=True)
 class Feature:
     key: str  # JSON key
-    name: str  # for labels
+    name: str  # for labels and reasons
     header: str  # column header ("\n" where it breaks)
     field: str  # the EngineArgs field that switches it
     off: Any  # the field's value with the feature off
-    on: Union[Any, Callable[[EngineArgs], Any]]  # value (or base -> value) with the feature on
-    always_on: bool = False  # what the engine does while the flag does not exist: MLA is always used
+    on: Any  # the field's value with the feature on
+    landed: bool = True  # False: the engine has no such feature yet (no column, no row)
+    needs_cuda: bool = False  # cannot be on without a CUDA GPU
+    always_on: bool = False  # what the engine does while it has no flag for it (MLA: always used)
 
     def available(self) -> bool:
-        return _field(self.field) is not None
+        return self.landed and engine_field(self.field) is not None
 
     def is_on(self, args: EngineArgs) -> bool:
         return args.value(self.field) != self.off
@@ -54,20 +50,19 @@ class Feature:
     def value(self, on: bool, base: EngineArgs) -> Any:
         if not on:
             return self.off
-        if self.is_on(base):
-            return getattr(base, self.field)
-        return self.on(base) if callable(self.on) else self.on
+        return base.value(self.field) if self.is_on(base) else self.on
 
 
 FEATURES = (
-    Feature("mla", "MLA", "MLA", "disable_mla", off=True, on=False, always_on=True),
-    Feature("torch_compile", "torch.compile", "torch\ncompile", "enable_torch_compile", off=False, on=True),
-    Feature("cuda_graph", "CUDA graph", "CUDA\ngraph", "disable_cuda_graph", off=True, on=False),
+    Feature("mla", "MLA", "MLA", "disable_mla", off=True, on=False, landed=False, always_on=True),
+    Feature("torch_compile", "torch.compile", "torch\ncompile", "enable_torch_compile", False, True, needs_cuda=True),
+    Feature("cuda_graph", "CUDA graph", "CUDA\ngraph", "disable_cuda_graph", off=True, on=False, needs_cuda=True),
     Feature("radix_cache", "radix cache", "radix\ncache", "disable_radix_cache", off=True, on=False),
-    Feature("flashinfer_mla", "FlashInfer MLA", "FlashInfer\nMLA", "enable_flashinfer_mla", off=False, on=True),
-    Feature("nextn", "NextN", "NextN", "speculative_algorithm", off=None, on=_nextn_on),
-    Feature("ep_moe", "EP-MoE", "EP-MoE", "ep_size", off=1, on=_ep_on),
-    Feature("dp_attention", "DP attention", "DP\nattention", "enable_dp_attention", off=False, on=True),
+    Feature("flashinfer_mla", "FlashInfer MLA", "FlashInfer\nMLA", "enable_flashinfer_mla", False, True,
+            needs_cuda=True),
+    Feature("nextn", "NextN", "NextN", "speculative_algorithm", off=None, on="NEXTN", landed=False),
+    Feature("ep_moe", "EP-MoE", "EP-MoE", "enable_ep_moe", off=False, on=True, landed=False),
+    Feature("dp_attention", "DP attention", "DP\nattention", "enable_dp_attention", False, True, landed=False),
 )
 
 # SGLang's ablation table (DeepSeek-R1, the seed), one row per line: the features it turns on.
@@ -98,17 +93,18 @@ class Row:
     label: str
     state: dict[str, bool]  # feature key -> on, for every available feature
     args: EngineArgs
+    refusal: Optional[str] = None  # why it cannot run here (known before starting it)
 
 
-def available_features() -> list[Feature]:
-    return [f for f in FEATURES if f.available()]
+def available_features(features: tuple[Feature, ...] = FEATURES) -> list[Feature]:
+    return [f for f in features if f.available()]
 
 
-def _runnable_here(on: frozenset, features: list[Feature]) -> bool:
-    """A seed row fits when every feature it turns on can be turned on here, and every feature that is
+def _fits(on: frozenset, features: list[Feature], all_features: tuple[Feature, ...]) -> bool:
+    """A seed row fits when every feature it turns on is available here, and every feature that is
     always on here (no flag to turn it off) is on in it."""
     keys = {f.key for f in features}
-    fixed_on = {f.key for f in FEATURES if f.always_on and f.key not in keys}
+    fixed_on = {f.key for f in all_features if f.always_on and f.key not in keys}
     return all(k in keys or k in fixed_on for k in on) and fixed_on <= on
 
 
@@ -117,22 +113,33 @@ def _label(state: dict[str, bool], base_state: dict[str, bool], features: list[F
     return ", ".join(changes) or base_label
 
 
-def make_rows(base: EngineArgs, base_label: str = "as given") -> list[Row]:
-    """The configuration as given, each feature flipped alone, then the seed's combinations (see module doc)."""
-    features = available_features()
-    base_state = {f.key: f.is_on(base) for f in features}
+def _refusal(state: dict[str, bool], features: list[Feature], cuda: bool) -> Optional[str]:
+    """One reason for every CUDA-only row on a CPU (one footnote: the row's columns say which features)."""
+    if cuda or not any(f.needs_cuda and state[f.key] for f in features):
+        return None
+    return f"needs a CUDA GPU ({', '.join(f.name for f in features if f.needs_cuda)}: CUDA only)"
+
+
+def make_rows(base: EngineArgs, cuda: bool = True, base_label: str = "as given",
+              features: tuple[Feature, ...] = FEATURES) -> list[Row]:
+    """The configuration as given, each feature flipped alone, then the seed's combinations (see module doc).
+    cuda=False: the machine has no CUDA GPU."""
+    avail = available_features(features)
+    if not cuda:
+        base = base.replace(**{f.field: f.off for f in avail if f.needs_cuda})
+    base_state = {f.key: f.is_on(base) for f in avail}
     states = [dict(base_state)]
-    for f in features:
+    for f in avail:
         states.append({**base_state, f.key: not base_state[f.key]})
     for on in SEED_ROWS:
-        if _runnable_here(on, features):
-            states.append({f.key: f.key in on for f in features})
+        if _fits(on, avail, features):
+            states.append({f.key: f.key in on for f in avail})
     rows, seen = [], set()
     for state in states:
-        sig = tuple(state[f.key] for f in features)
+        sig = tuple(state[f.key] for f in avail)
         if sig in seen:
             continue
         seen.add(sig)
-        args = base.replace(**{f.field: f.value(state[f.key], base) for f in features})
-        rows.append(Row(_label(state, base_state, features, base_label), state, args))
+        args = base.replace(**{f.field: f.value(state[f.key], base) for f in avail})
+        rows.append(Row(_label(state, base_state, avail, base_label), state, args, _refusal(state, avail, cuda)))
     return rows

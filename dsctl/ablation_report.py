@@ -3,8 +3,8 @@
 The wide table has SGLang's columns: runnable (✅, or ❌ with a footnote giving the
 reason), one ✅/➖ column per feature, decode tok/s at batch 1 and output tok/s at
 the chosen concurrency. On a narrow terminal the feature columns become one
-wrapping "configuration" column (what the row changes). The PNG (matplotlib,
-optional) shows both throughputs per row.
+wrapping "optimisations on" column. The PNG (matplotlib, optional) shows both
+throughputs per row.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def layouts(results: list[RowResult], features: list[Feature], model: str) -> li
     notes = _footnotes(results)
     first = _first_result(results)
     conc = first["concurrency"] if first else "C"
-    rates = ("decode tok/s\n@ batch 1", f"output tok/s\n@ {conc} concurrent")
+    rates = ("decode\ntok/s\nbatch 1", f"output\ntok/s\n{conc} concurrent")
     head = title(results, model)
 
     def runnable(r: RowResult) -> str:
@@ -64,13 +64,14 @@ def layouts(results: list[RowResult], features: list[Feature], model: str) -> li
         wide.add_column(h, justify="right", no_wrap=True)
     narrow = Table(title=head)
     narrow.add_column("runnable", no_wrap=True)
-    narrow.add_column("configuration")
+    narrow.add_column("optimisations on")
     for h in rates:
         narrow.add_column(h, justify="right", no_wrap=True)
     for r in results:
         rate_cells = (_rate(r, "decode_tok_s_bs1"), _rate(r, "output_tok_s"))
         wide.add_row(runnable(r), *(ON if r.features[f.key] else OFF for f in features), *rate_cells)
-        narrow.add_row(runnable(r), r.label, *rate_cells)
+        narrow.add_row(runnable(r), ", ".join(f.name for f in features if r.features[f.key]) or "none",
+                       *rate_cells)
     return [wide, narrow]
 
 

@@ -96,16 +96,21 @@ def run_command(cmd: list[str], log: Path, timeout: float) -> tuple[int, str, bo
 
 
 def _refused(index: int, row: Row) -> Optional[RowResult]:
-    """The row's flags checked as the engine checks them at start-up (no process needed to refuse them)."""
+    """A row known not to run here (a CUDA-only feature on a CPU), or whose flags the engine would refuse at
+    start-up (checked here as the engine checks them): no process needed."""
     from dsctl.flags import non_server_groups, to_argv
     from engine.errors import UsageError
 
-    try:
-        row.args.validate()
-    except UsageError as exc:
-        return RowResult(index, row.label, dict(row.state), to_argv(row.args, non_server_groups()),
-                         runnable=False, reason=str(exc).splitlines()[0])
-    return None
+    reason = row.refusal
+    if reason is None:
+        try:
+            row.args.validate()
+        except UsageError as exc:
+            reason = str(exc).splitlines()[0]
+    if reason is None:
+        return None
+    return RowResult(index, row.label, dict(row.state), to_argv(row.args, non_server_groups()), runnable=False,
+                     reason=reason)
 
 
 def run_row(index: int, row: Row, settings: Settings, cmd: Optional[list[str]] = None) -> RowResult:

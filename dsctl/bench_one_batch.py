@@ -169,11 +169,12 @@ def bench(args, batch_sizes: list[int], input_len: Union[int, Sequence[int]], ou
     if args.model.max_model_len is None:
         args = args.replace(max_model_len=longest)
     args = args.replace(max_running_requests=max(args.scheduler.max_running_requests, max(batch_sizes)))
-    runner = ModelRunner(args)
     shapes = _shapes(batch_sizes, input_lens, output_lens)
     results = []
     with _progress() as progress:
-        task = progress.add_task("bench one-batch", total=len(shapes) * (1 + repeats))
+        task = progress.add_task(f"loading {args.model.model} (weights, KV pool, CUDA graphs)",
+                                 total=len(shapes) * (1 + repeats))
+        runner = ModelRunner(args)
         for bs, ilen, olen in shapes:
             name = f"batch {bs}, in {ilen}, out {olen}"
             progress.update(task, description=f"{name}: warm-up")

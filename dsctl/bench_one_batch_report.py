@@ -2,8 +2,11 @@
 
 Wide: medians and their spread in separate columns, plus total time. Narrow
 (80 columns): each spread goes on a second line under its median, total time is
-dropped (overall tok/s says the same). Prompt/output lengths are columns only
-when the run used more than one; otherwise they are in the title.
+dropped (overall tok/s says the same). Compact: overall tok/s dropped too and the
+lengths in one "in/out" column. Last resort (very narrow terminals or huge
+figures): one wrapping column of figures per shape, so nothing is ever cut.
+Prompt/output lengths are columns only when the run used more than one;
+otherwise they are in the title.
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ def layouts(results: list[OneBatchResult], context: str = "") -> list:
     for col in ["batch", *lens, "prefill ms\n(min-max)", "prefill\ntok/s", "decode ms\n(p10-p90)", "decode\ntok/s",
                 "overall\ntok/s"]:
         narrow.add_column(col, justify="right", no_wrap=True)
+    compact = Table(title=title)  # narrow, less overall tok/s and with one "in/out" column
+    for col in ["batch", *(["in/out"] if show_lens else []), "prefill ms\n(min-max)", "prefill\ntok/s",
+                "decode ms\n(p10-p90)", "decode\ntok/s"]:
+        compact.add_column(col, justify="right", no_wrap=True)
+    last = Table(title=title, show_lines=True)  # always fits: every figure in one wrapping column
+    last.add_column("batch" + (", in/out" if show_lens else ""), no_wrap=True)
+    last.add_column("prefill, decode (median, spread) and overall")
     for r in results:
         p_spread = f"{_ms(r.prefill_latency_min_s)}-{_ms(r.prefill_latency_max_s)}"
         d_spread = f"{_ms(r.decode_latency_p10_s, 3)}-{_ms(r.decode_latency_p90_s, 3)}"
@@ -55,10 +65,16 @@ def layouts(results: list[OneBatchResult], context: str = "") -> list:
                      _rate(r.prefill_throughput_tok_s), _ms(r.median_decode_latency_s, 3), d_spread,
                      _rate(r.median_decode_throughput_tok_s), f"{r.total_latency_s:.3f}",
                      _rate(r.overall_throughput_tok_s))
-        narrow.add_row(str(r.batch_size), *lens_of(r), f"{_ms(r.prefill_latency_s)}\n({p_spread})",
-                       _rate(r.prefill_throughput_tok_s), f"{_ms(r.median_decode_latency_s, 3)}\n({d_spread})",
-                       _rate(r.median_decode_throughput_tok_s), _rate(r.overall_throughput_tok_s))
-    return [wide, narrow]
+        cells = (f"{_ms(r.prefill_latency_s)}\n({p_spread})", _rate(r.prefill_throughput_tok_s),
+                 f"{_ms(r.median_decode_latency_s, 3)}\n({d_spread})", _rate(r.median_decode_throughput_tok_s))
+        narrow.add_row(str(r.batch_size), *lens_of(r), *cells, _rate(r.overall_throughput_tok_s))
+        compact.add_row(str(r.batch_size), *([f"{r.input_len}/{r.output_len}"] if show_lens else []), *cells)
+        last.add_row(str(r.batch_size) + (f", {r.input_len}/{r.output_len}" if show_lens else ""),
+                     f"prefill {_ms(r.prefill_latency_s)} ms ({p_spread}), {_rate(r.prefill_throughput_tok_s)} "
+                     f"tok/s; decode {_ms(r.median_decode_latency_s, 3)} ms ({d_spread}), "
+                     f"{_rate(r.median_decode_throughput_tok_s)} tok/s; overall "
+                     f"{_rate(r.overall_throughput_tok_s)} tok/s")
+    return [wide, narrow, compact, last]
 
 
 def print_table(results: list[OneBatchResult], context: str = "") -> None:

@@ -61,7 +61,7 @@ _LEN_HELP = "(default: {cpu} on CPU, {cuda} on CUDA)."
 def _len_help(what: str, key: str) -> str:
     from dsctl.bench_offline import CPU_DEFAULTS, CUDA_DEFAULTS
 
-    return f"{what} " + _LEN_HELP.format(cpu=CPU_DEFAULTS[key], cuda=CUDA_DEFAULTS[key])
+    return f"{what.rstrip('.')} " + _LEN_HELP.format(cpu=CPU_DEFAULTS[key], cuda=CUDA_DEFAULTS[key])
 
 
 @bench_app.command("offline")
@@ -77,12 +77,25 @@ def offline(
     result_file: Optional[Path] = typer.Option(None, "--result-file", help="Append one JSON line of results."),
 ) -> None:
     """Engine throughput without HTTP: decode tok/s at batch 1 and output tok/s at a concurrency."""
+    from rich.console import Console
+
     from dsctl.bench_offline import print_result, run_offline, write_result
 
-    result = run_offline(args, input_len, output_len, concurrency, repeats)
+    with Console(stderr=True).status("bench offline") as status:
+        result = run_offline(args, input_len, output_len, concurrency, repeats,
+                             progress=lambda text: status.update(f"bench offline: {text}"))
     if result_file is not None:
         write_result(result_file, result)
     print_result(result)
+
+
+def _has_cuda(device: str) -> bool:
+    """Whether the rows run on a CUDA GPU (--device auto: when one is visible)."""
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @bench_app.command("ablation")
@@ -110,9 +123,12 @@ def ablation(
     args.validate()
     settings = Settings(input_len, output_len, concurrency, repeats, row_timeout, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = make_rows(args, base_label="baseline")
+    cuda = _has_cuda(args.model.device)
+    rows = make_rows(args, cuda=cuda, base_label="baseline")
     console = Console()
-    console.print(f"bench ablation: {len(rows)} configurations of {args.model.model}, one process each", markup=False)
+    runs = sum(r.refusal is None for r in rows)
+    console.print(f"bench ablation: {len(rows)} configurations of {args.model.model} on "
+                  f"{'CUDA' if cuda else 'CPU'}, each in its own process ({runs} to start)", markup=False)
     results = run_ablation(rows, settings)
     print_table(results, available_features(), args.model.model, console)
     write_jsonl(out_dir / "ablation.jsonl", results)

@@ -71,7 +71,7 @@ def _out_dir(out_dir: Optional[Path]) -> Path:
     return Path(env).expanduser() if env else SHIPPED_DIR
 
 
-def _device(dry_run: bool, command: str) -> tuple[Optional[str], str]:
+def _device(opts: "TuneFlags", command: str) -> tuple[Optional[str], str]:
     """(torch device, device name for file names); a one-line error without a GPU (unless dry run)."""
     import torch
 
@@ -81,12 +81,12 @@ def _device(dry_run: bool, command: str) -> tuple[Optional[str], str]:
 
     if torch.cuda.is_available():
         return "cuda", device_name("cuda")
-    if dry_run:
+    if opts.dry_run:
         return None, "{GPU}"
     if interpreting():  # TRITON_INTERPRET=1: runs the kernels on CPU (slow; for tests)
         return "cpu", "cpu"
-    raise NoGpuError(f"{command} needs a CUDA GPU (it times the kernels on the GPU it tunes for); "
-                     "`--dry-run` lists the shapes it would tune")
+    raise NoGpuError(f"{command} needs a CUDA GPU; `--dry-run` lists the shapes it would tune "
+                     f"(model {opts.model}, TP {opts.tp})")
 
 
 def _check_writable(out: Path) -> None:
@@ -235,7 +235,7 @@ def tune_moe(
     dtype: Optional[str] = typer.Option(None, "--dtype",
                                         help="Expert weights: fp8_w8a8 or bf16 (default: the checkpoint's)."),
 ) -> None:
-    device, name = _device(opts.dry_run, "tune-moe")
+    device, name = _device(opts, "tune-moe")
     from tuning.shapes import load_model_config, moe_shape
     from tuning.targets import MoETarget
 
@@ -286,7 +286,7 @@ def tune_fp8(
     max_shapes: Optional[int] = typer.Option(None, "--max-shapes",
                                              help="Only the first N GEMM shapes (in --dry-run order)."),
 ) -> None:
-    device, name = _device(opts.dry_run, "tune-fp8")
+    device, name = _device(opts, "tune-fp8")
     from tuning.shapes import gemm_shapes, load_model_config
     from tuning.targets import GemmTarget
 

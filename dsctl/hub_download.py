@@ -120,21 +120,70 @@ def _transient(exc: Exception) -> tuple[bool, Optional[float]]:
     return False, None
 
 
-def _api_caller(policy: RetryPolicy, log: Callable[[str], None]) -> Callable:
+# First contact with the hub (no API call has answered yet): an unknown host name or a refused / timed-out
+# connection is almost always no network, a firewall or a wrong HF_ENDPOINT, which minutes of retries will
+# not fix. A few quick tries within a short budget, then HubUnreachable says what to check. Once the hub
+# has answered, connection errors get the full --retries (and file transfers always do: hub_fetch).
+FIRST_CONTACT_TRIES = 3
+FIRST_CONTACT_BUDGET_S = 20.0
+
+
+class HubUnreachable(HubError):
+    """No connection to the hub could be opened on the first contact."""
+
+
+def _is_connect_error(exc: Exception) -> bool:
+    """No connection could be opened (unknown host, refused, connect timeout, proxy): nothing reached the hub."""
+    for cls in type(exc).__mro__:
+        root = cls.__module__.split(".")[0]
+        if root in ("httpx", "httpx2") and cls.__name__ in ("ConnectError", "ConnectTimeout", "ProxyError"):
+            return True
+        if root == "requests" and cls.__name__ == "ConnectionError":  # also its ConnectTimeout, ProxyError
+            return True
+    return False
+
+
+def unreachable_message(exc: Exception) -> str:
+    from dsctl.hub_repo import endpoint
+
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return (f"cannot reach the hub at {endpoint()} ({reason}): check the network (DNS, proxy, firewall); "
+            "if the hub is blocked here, set HF_ENDPOINT to a mirror you can reach; models already downloaded "
+            "need no hub (HF_HUB_OFFLINE=1)")
+
+
+def _api_caller(policy: RetryPolicy, log: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
+                sleep: Callable[[float], None] = time.sleep) -> Callable:
+    """Wrap hub API calls: transient errors retried with backoff (policy), except connection failures before
+    the hub has answered once (see FIRST_CONTACT_TRIES)."""
+    answered = False
+    start: Optional[float] = None
+
     def call(fn):
+        nonlocal answered, start
         failures = 0
+        if start is None:
+            start = clock()
         while True:
             try:
-                return fn()
+                out = fn()
             except Exception as exc:
                 transient, retry_after = _transient(exc)
                 failures += 1
                 if not transient or failures > policy.retries:
                     raise
                 delay = policy.delay(failures, retry_after)
-                log(f"hub API: {str(exc).splitlines()[0] or type(exc).__name__}; "
-                    f"retry {failures}/{policy.retries} in {delay:.1f}s")
-                time.sleep(delay)
+                tries = policy.retries
+                if not answered and _is_connect_error(exc):
+                    if failures >= FIRST_CONTACT_TRIES or clock() - start + delay > FIRST_CONTACT_BUDGET_S:
+                        raise HubUnreachable(unreachable_message(exc)) from None
+                    tries = min(tries, FIRST_CONTACT_TRIES - 1)
+                log(f"hub API: {str(exc).splitlines()[0] or type(exc).__name__}; retry {failures}/{tries} in "
+                    f"{delay:.1f}s")
+                sleep(delay)
+            else:
+                answered = True
+                return out
 
     return call
 
@@ -144,9 +193,13 @@ def fetch_listing(req: DownloadRequest, console: Console) -> tuple[RepoListing, 
     log = lambda msg: console.print(f"[yellow]{escape(msg)}[/]")  # noqa: E731
     try:
         listing = list_repo(req.repo_id, req.revision, req.token, call=_api_caller(req.policy, log))
+    except HubUnreachable:
+        raise
     except Exception as exc:
         msg = describe_hub_error(exc, req.repo_id, req.revision)
         if msg is None:
+            if _is_connect_error(exc):
+                raise HubUnreachable(unreachable_message(exc)) from None
             if not _transient(exc)[0]:
                 raise
             msg = f"cannot reach the hub for {req.repo_id}: {exc}"

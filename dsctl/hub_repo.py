@@ -74,6 +74,22 @@ def _to_remote(entry) -> RemoteFile:
     return RemoteFile(entry.path, int(entry.size), "git-sha1", str(entry.blob_id).lower())
 
 
+CONNECT_TIMEOUT_S = 10.0  # first contact: a black-holed address fails in seconds, not at the OS's ~2 minutes
+
+
+def _connect_timeout(seconds: float):
+    """A timeout that bounds only opening the connection (reads take as long as they take), in the form the
+    HTTP library under huggingface_hub takes (httpx / httpx2 Timeout, or a requests (connect, read) pair)."""
+    import importlib
+
+    from huggingface_hub.utils import get_session
+
+    module = type(get_session()).__module__.split(".")[0]
+    if module == "requests":
+        return (seconds, None)
+    return importlib.import_module(module).Timeout(None, connect=seconds)
+
+
 def list_repo(repo_id: str, revision: Optional[str], token: Optional[str],
               call: Callable = lambda fn: fn()) -> RepoListing:
     """The commit and files of repo_id@revision. `call` wraps each API call (retries)."""
@@ -82,7 +98,7 @@ def list_repo(repo_id: str, revision: Optional[str], token: Optional[str],
 
     api = HfApi(endpoint=endpoint(), token=token)
     rev = revision or "main"
-    info = call(lambda: api.model_info(repo_id, revision=rev))
+    info = call(lambda: api.model_info(repo_id, revision=rev, timeout=_connect_timeout(CONNECT_TIMEOUT_S)))
     commit = info.sha or rev
     entries = call(lambda: list(api.list_repo_tree(repo_id, revision=commit, recursive=True)))
     files = tuple(sorted((_to_remote(e) for e in entries if isinstance(e, RepoFile)), key=lambda f: f.path))

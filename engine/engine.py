@@ -40,6 +40,7 @@ class GenerateOutput:
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
     prompt_logprobs: Optional[list[Optional[float]]] = None
     matched_stop: Optional[object] = None
+    error: Optional[str] = None  # finish_reason "error": the failed step's message
 
     @property
     def prompt_tokens(self) -> int:
@@ -113,11 +114,7 @@ class Engine:
         input_ids: Optional[Sequence[Sequence[int]]] = None,
     ) -> list[GenerateOutput]:
         """Generate for several prompts batched together; results in input order."""
-        if (prompts is None) == (input_ids is None):
-            raise RequestError("give exactly one of prompts or input_ids")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        token_lists = [self.encode(p) for p in prompts] if prompts is not None else [list(x) for x in input_ids]
+        token_lists = prompt_token_lists(prompts, input_ids, self.encode)
         params = per_prompt(sampling_params, len(token_lists))
         reqs = [self.make_request(ids, p) for ids, p in zip(token_lists, params)]
         for req in reqs:
@@ -157,7 +154,17 @@ def build_output(prompt_ids: list[int], p: SamplingParams, got: CollectedOutput,
         top_logprobs=got.top_logprobs if p.top_logprobs else None,
         prompt_logprobs=got.prompt_logprobs,
         matched_stop=got.matched_stop,
+        error=got.error,
     )
+
+
+def prompt_token_lists(prompts, input_ids, encode) -> list[list[int]]:
+    """generate()'s prompts as token id lists: text prompts (one or several) encoded, or input_ids."""
+    if (prompts is None) == (input_ids is None):
+        raise RequestError("give exactly one of prompts or input_ids")
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    return [encode(p) for p in prompts] if prompts is not None else [list(x) for x in input_ids]
 
 
 def per_prompt(sp, n: int) -> list[SamplingParams]:

@@ -1,8 +1,8 @@
 """Registry of known models: alias -> hub repo id, with a shipped config.json.
 
 The shipped configs (engine/model_configs/<config>.json) let `--load-format dummy
---model deepseek-v3` build a real-shape model with no download. `tiny` and
-`tiny-fp8` are built-in synthetic checkpoints (engine/weights/tiny.py).
+--model deepseek-v3` build a real-shape model with no download. `tiny`, `tiny-fp8` and
+`tiny-fp8-tp` are built-in synthetic checkpoints (engine/weights/tiny.py).
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ MODELS: dict[str, ModelEntry] = {
         ),
         ModelEntry("tiny", None, "tiny", "built-in random V3-architecture model for CPU tests and demos"),
         ModelEntry("tiny-fp8", None, "tiny-fp8", "built-in tiny model with 128x128 block-FP8 weights"),
+        ModelEntry("tiny-fp8-tp", None, "tiny-fp8-tp",
+                   "built-in tiny block-FP8 model whose TP 2 / 4 slices are whole FP8 blocks"),
     ]
 }
 

@@ -64,7 +64,9 @@ def check_launch(args: EngineArgs, resolved: Optional[ResolvedModel] = None) -> 
     resolved = resolved or resolve_model(args.model)
     device = pick_device(args.model.device)
     pc = args.parallel.config()
-    pc.validate(device.type, torch.cuda.device_count() if device.type == "cuda" else None)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else None
+    pc.validate(device.type, gpus)
+    _check_dp_attention_span(pc, device.type, gpus)
     cfg = resolved.config
     if args.model.num_layers:
         cfg = cfg.with_num_layers(args.model.num_layers)
@@ -74,6 +76,17 @@ def check_launch(args: EngineArgs, resolved: Optional[ResolvedModel] = None) -> 
     if device.type == "cuda":
         _check_fits(args, cfg, block, pc, torch.cuda.get_device_properties(pc.gpu_id(0)).total_memory)
     return resolved
+
+
+def _check_dp_attention_span(pc, device_type: str, gpus: Optional[int]) -> None:
+    """`--enable-dp-attention` alone spans every visible GPU (tp = dp = GPU count), as SGLang's does."""
+    if not pc.enable_dp_attention:
+        return
+    if (gpus or 1) > 1:
+        raise UsageError(f"--enable-dp-attention with no --tp spans every visible GPU ({gpus} here), and DP "
+                         f"attention across GPUs arrives with Parallelism II: use --tp {gpus} for now")
+    log.warning("--enable-dp-attention on %s: one rank, so DP attention is the same as plain attention",
+                "one GPU" if device_type == "cuda" else "CPU")
 
 
 def _check_fits(args: EngineArgs, cfg, block, pc, gpu_bytes: int) -> None:
@@ -161,15 +174,11 @@ class RankedEngine:
         input_ids: Optional[Sequence[Sequence[int]]] = None,
     ):
         """Same contract as Engine.generate: outputs in input order."""
-        from engine.engine import build_output, per_prompt
+        from engine.engine import build_output, per_prompt, prompt_token_lists
         from engine.scheduler.output import CollectedOutput
         from engine.server.protocol import AddFailed, AddRequest, StepOutputs
 
-        if (prompts is None) == (input_ids is None):
-            raise RequestError("give exactly one of prompts or input_ids")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        token_lists = [self.encode(p) for p in prompts] if prompts is not None else [list(x) for x in input_ids]
+        token_lists = prompt_token_lists(prompts, input_ids, self.encode)
         params = per_prompt(sampling_params, len(token_lists))
         rids = [f"g{next(self._ids)}" for _ in token_lists]
         for rid, ids, p in zip(rids, token_lists, params):

@@ -25,7 +25,6 @@ from engine.forward_batch import ForwardBatch
 from engine.memory.pools import KVPool, ReqToTokenPool
 from engine.model.backends import ATTENTION_BACKENDS, MOE_BACKENDS, BackendSetup
 from engine.model.context import ForwardContext
-from engine.model.deepseek import DeepseekForCausalLM, MTPLayer
 from engine.model.rope import RotaryEmbedding
 from engine.resolve import ResolvedModel, resolve_model
 from kernels import tuned_configs
@@ -77,7 +76,8 @@ class ModelRunner:
         self.fp8_block = self._fp8_block()
         self.max_model_len = min(args.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.setup = BackendSetup(self.config, self.device, self.dtype, self._kv_dtype(),
-                                  tuple(self._graph_batch_sizes()), interpreting())
+                                  tuple(self._graph_batch_sizes()), interpreting(),
+                                  tp_size=self.parallel.tp.size)
         self.attention_backend, self.moe_backend = self._pick_backends()
         self._build_model()
         self._init_memory()
@@ -118,41 +118,13 @@ class ModelRunner:
         return WEIGHT_BLOCK if q == "fp8" else None
 
     def _build_model(self) -> None:
-        cfg, resolved = self.config, self.resolved
-        with torch.device(self.device):
-            self.model = DeepseekForCausalLM(cfg, self.dtype, self.fp8_block)
-            self.mtp = self._make_mtp()
-        modules = {"": self.model}
-        if self.mtp is not None:
-            modules["mtp."] = self.mtp
-        if resolved.dummy:
-            from engine.weights.dummy import fill_dummy
-            from engine.weights.loader import iter_params
+        """This rank's model and MTP layer (engine/model/builder.py), sharded over the TP group."""
+        from engine.model.builder import build_model
 
-            fill_dummy(iter_params(modules), self.args.model.seed)
-            if self.mtp is not None:
-                self.mtp.embed_tokens, self.mtp.head = self.model.embed_tokens, self.model.lm_head
-        else:
-            from engine.weights.loader import load_checkpoint
-
-            load_checkpoint(modules, resolved.path, resolved.config, self.num_layers, self.fp8_block or WEIGHT_BLOCK)
-        for mod in modules.values():
-            for m in mod.modules():
-                if hasattr(m, "absorb"):
-                    m.absorb()
-        self.model.eval()
-
-    def _make_mtp(self) -> Optional[MTPLayer]:
-        full = self.resolved.config
-        if not full.num_nextn_predict_layers:
-            return None
-        if not self.resolved.dummy:
-            from engine.weights.loader import has_mtp, weight_map
-
-            if not has_mtp(weight_map(self.resolved.path), full):
-                return None
-        return MTPLayer(self.config, self.num_layers, self.dtype, self.fp8_block,
-                        moe=full.is_moe_layer(full.num_hidden_layers))
+        r = self.resolved
+        self.model, self.mtp = build_model(r.config, self.num_layers, self.dtype, self.device, self.fp8_block,
+                                           self.parallel.tp, checkpoint=None if r.dummy else r.path,
+                                           seed=self.args.model.seed)
 
     def _init_memory(self) -> None:
         cfg = self.config

@@ -118,6 +118,8 @@ class ParallelConfig:
                     f"use --tp {max(1, visible_gpus - self.base_gpu_id) * self.nnodes} or more nodes (--nnodes)")
 
     def _validate_dp_ep(self) -> None:
+        if self.enable_dp_attention and self.tp_size == 1 and self.dp_size == 1:
+            return  # one rank: DP attention over one GPU is plain attention (check_launch says so)
         if self.enable_dp_attention:
             if self.dp_size < 2 or self.tp_size % self.dp_size:
                 raise UsageError(f"--enable-dp-attention needs --dp-size >= 2 dividing --tp {self.tp_size} "

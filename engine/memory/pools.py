@@ -17,21 +17,38 @@ class KVPool:
         self.size, self.dim, self.dtype = size, dim, dtype
         self.scale = scale  # dequantised value = stored * scale (FP8 caches)
         self.buffer = torch.zeros(num_layers, size + 1, dim, dtype=dtype, device=device)
-        self._free = torch.arange(1, size + 1, dtype=torch.int64)  # host-side free list
+        # Host-side free list: `alloc` takes from the head; freed slots queue behind it in `_freed`
+        # and join the head only when it runs short, so a free costs O(freed), not O(pool).
+        self._free = torch.arange(1, size + 1, dtype=torch.int64)
+        self._freed: list[torch.Tensor] = []
+        self._num_freed = 0
 
     def available(self) -> int:
-        return int(self._free.numel())
+        return int(self._free.numel()) + self._num_freed
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n free slots (host int64 tensor), or None when the pool cannot hold them."""
         if n > self._free.numel():
-            return None
+            if n > self.available():
+                return None
+            self._join_freed()
         out, self._free = self._free[:n], self._free[n:]
         return out
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self._free = torch.cat((self._free, slots.to("cpu", torch.int64)))
+            self._freed.append(slots.to("cpu", torch.int64))
+            self._num_freed += int(slots.numel())
+
+    def free_slots(self) -> torch.Tensor:
+        """Every free slot, in the order `alloc` hands them out (for accounting checks)."""
+        self._join_freed()
+        return self._free
+
+    def _join_freed(self) -> None:
+        if self._freed:
+            self._free = torch.cat((self._free, *self._freed))
+            self._freed, self._num_freed = [], 0
 
     def write(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         if self.dtype != values.dtype:

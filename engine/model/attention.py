@@ -14,26 +14,36 @@ Backends implement `begin_forward` (per-forward planning), `extend` and `decode`
 checked against. A layer finds the backend, the KV pool, the request table and
 the rope table in the `ForwardContext` passed down the forward
 (engine/model/context.py); backends are chosen by name in engine/model/backends.py.
+
+Tensor parallelism splits MLA by heads: q_a / kv_a (and their norms) are replicated,
+q_b (or q_proj), kv_b and the absorbed w_kc / w_vc hold this rank's `H / tp` heads, o_proj
+the matching input columns, and one all-reduce sums the ranks' o_proj outputs. `num_heads`
+is the local head count, which is all the backends see; the latent KV cache is the
+whole latent on every rank.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.distributed import comm
+from engine.distributed.groups import TPGroup
 from engine.forward_batch import ForwardBatch
 from engine.model.context import ForwardContext
-from engine.model.layers import Linear, RMSNorm
+from engine.model.layers import Linear, RMSNorm, solo_group, tp_local
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, fp8_block=None):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, fp8_block=None,
+                 tp: Optional[TPGroup] = None):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = h = cfg.num_attention_heads
+        self.tp = tp or solo_group()
+        self.num_heads = h = tp_local(cfg.num_attention_heads, self.tp, "num_attention_heads")  # this rank's heads
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.scale = cfg.softmax_scale
@@ -96,7 +106,7 @@ class MLA(nn.Module):
             out = ctx.attn_backend.decode(self, q_nope, q_pe, fb, ctx)
         else:
             out = ctx.attn_backend.extend(self, q_nope, q_pe, c_kv, k_pe, fb, ctx)
-        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+        return comm.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.v_dim)), self.tp)
 
 
 class AttentionBackend(Protocol):

@@ -41,10 +41,16 @@ class BackendSetup:
     kv_dtype: torch.dtype  # the KV cache
     graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes captured in CUDA graphs (empty: eager)
     interpret: bool = False  # Triton runs its CPU interpreter (kernels/interpret.py)
+    tp_size: int = 1  # tensor-parallel ranks: each rank's attention runs num_attention_heads / tp_size heads
 
     @property
     def cuda_graphs(self) -> bool:
         return bool(self.graph_batch_sizes)
+
+    @property
+    def local_heads(self) -> int:
+        """Attention heads of one TP rank (the head count the attention backends see)."""
+        return self.config.num_attention_heads // self.tp_size
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ def flashinfer_attention(setup: BackendSetup, kv_pool: KVPool, req_to_token: Req
 
     cfg = setup.config
     return FlashInferAttentionBackend(
-        cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, setup.dtype,
+        setup.local_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, setup.dtype,
         kv_pool.dtype, kv_pool.scale, setup.device, req_to_token.table.shape[1],
         max_graph_bs=max(setup.graph_batch_sizes, default=0))
 

@@ -5,8 +5,12 @@ The runner builds one per model (engine/runner.py) and hands it to
 attention and to its MoE. It holds the KV cache, the request -> token table, the rope
 table and the two backends the start-up resolved (engine/model/backends.py): MLA
 layers call `ctx.attn_backend`, MoE layers `ctx.moe_backend`; no layer keeps a backend
-of its own. Parallel execution will add its process groups here (a `parallel` field read
-by the layers that shard or reduce); there is none yet.
+of its own.
+
+The tensor-parallel group is not here: it is given to the model at construction
+(engine/model/deepseek.py), because it also decides which shard of each weight a module
+allocates, and each layer that reduces keeps it. (A future data-parallel-attention group
+that changes per forward would be a field here.)
 """
 
 from __future__ import annotations

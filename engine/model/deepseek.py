@@ -2,30 +2,61 @@
 
 Every forward takes the runner's `ForwardContext` (engine/model/context.py) and passes it
 to each decoder layer, which hands it to its attention and, for MoE layers, to its MoE.
+
+Tensor parallelism: give the constructors this rank's `TPGroup` (engine/distributed/groups.py;
+None = an unsplit model, size 1). Each module then allocates only its rank's shard (the rules
+of engine/weights/sharding.py) and runs the collectives of that group: one all-reduce after
+o_proj, one after each dense MLP or MoE layer, one for the vocab-parallel embedding, and an
+all-gather of the vocab-parallel logits, so every rank gets the full logits. A TP size that
+does not split the model cleanly is refused here (check_model_divisible), before any weight
+is allocated or read. engine/model/builder.py builds and fills a rank's model in one call.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Optional
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.distributed.groups import TPGroup
 from engine.forward_batch import ForwardBatch
 from engine.model.attention import MLA
 from engine.model.context import ForwardContext
-from engine.model.layers import MLP, Linear, RMSNorm
+from engine.model.layers import (
+    MLP,
+    Linear,
+    RMSNorm,
+    solo_group,
+    tp_local,
+    vocab_parallel_embedding,
+    vocab_parallel_logits,
+)
 from engine.model.moe import MoE
 
 
+def check_tp(cfg: ModelConfig, tp: TPGroup, fp8_block=None) -> None:
+    """UsageError (which TP sizes work, and why this one does not) unless tp splits cfg's layers cleanly.
+    fp8_block: the block of weights kept FP8 (None when they are dequantised or not FP8)."""
+    if tp.size > 1:
+        from engine.distributed.parallel_config import check_model_divisible
+
+        check_model_divisible(cfg, tp.size, fp8_block)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, cache_layer: int, dtype: torch.dtype, fp8_block=None, moe: bool = False):
+    def __init__(self, cfg: ModelConfig, cache_layer: int, dtype: torch.dtype, fp8_block=None, moe: bool = False,
+                 tp: Optional[TPGroup] = None):
         super().__init__()
+        tp = tp or solo_group()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = MLA(cfg, cache_layer, dtype, fp8_block)
+        self.self_attn = MLA(cfg, cache_layer, dtype, fp8_block, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.is_moe = moe
-        self.mlp = MoE(cfg, dtype, fp8_block) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block)
+        self.mlp = (MoE(cfg, dtype, fp8_block, tp) if moe
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block, tp))
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), fb, ctx)
@@ -36,26 +67,30 @@ class DecoderLayer(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     """embed -> decoder layers -> norm -> lm_head. KV cache layer i belongs to decoder layer i."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block=None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block=None, tp: Optional[TPGroup] = None):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.tp = tp = tp or solo_group()
+        check_tp(cfg, tp, fp8_block)
+        vocab = tp_local(cfg.vocab_size, tp, "vocab_size")  # this rank's vocab rows
+        self.embed_tokens = nn.Parameter(torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, fp8_block, moe=cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, dtype, fp8_block, moe=cfg.is_moe_layer(i), tp=tp)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = nn.Parameter(torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
 
     def hidden_states(self, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """Final pre-norm hidden states [T, hidden] of every token in the batch."""
-        x = F.embedding(fb.input_ids, self.embed_tokens)
+        x = vocab_parallel_embedding(fb.input_ids, self.embed_tokens, self.tp)
         for layer in self.layers:
             x = layer(x, fb, ctx)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits of the given (pre-norm) hidden rows."""
-        return F.linear(self.norm(hidden), self.lm_head).float()
+        """float32 logits [N, vocab] of the given (pre-norm) hidden rows: the whole vocabulary on every rank."""
+        return vocab_parallel_logits(self.norm(hidden), self.lm_head, self.tp)
 
 
 class MTPLayer(nn.Module):
@@ -67,22 +102,26 @@ class MTPLayer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, cache_layer: int, dtype: torch.dtype, fp8_block=None,
-                 moe: bool = True):
+                 moe: bool = True, tp: Optional[TPGroup] = None):
         super().__init__()
         h = cfg.hidden_size
+        self.tp = tp = tp or solo_group()
+        # its one decoder layer, checked on its own (cfg may be truncated to dense layers only)
+        check_tp(replace(cfg, num_hidden_layers=1, first_k_dense_replace=0 if moe else 1, moe_layer_freq=1),
+                 tp, fp8_block)
         self.enorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.eh_proj = Linear(2 * h, h, dtype)
-        self.layer = DecoderLayer(cfg, cache_layer, dtype, fp8_block, moe=moe)
+        self.eh_proj = Linear(2 * h, h, dtype)  # replicated
+        self.layer = DecoderLayer(cfg, cache_layer, dtype, fp8_block, moe=moe, tp=tp)
         self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.embed_tokens = None  # set to the main model's unless the checkpoint has its own
         self.head = None
 
     def forward(self, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] for fb.input_ids (the next tokens) and fb.spec_hidden."""
-        e = self.enorm(F.embedding(fb.input_ids, self.embed_tokens))
+        e = self.enorm(vocab_parallel_embedding(fb.input_ids, self.embed_tokens, self.tp))
         x = self.eh_proj(torch.cat((e, self.hnorm(fb.spec_hidden)), dim=-1))
         return self.layer(x, fb, ctx)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.shared_head_norm(hidden), self.head).float()
+        return vocab_parallel_logits(self.shared_head_norm(hidden), self.head, self.tp)

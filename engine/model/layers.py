@@ -1,16 +1,55 @@
-"""Building blocks: RMSNorm, linear layers (plain or block-FP8 weights), dense MLP.
+"""Building blocks: RMSNorm, linear layers (plain or block-FP8 weights), dense MLP, and the
+tensor-parallel pieces (the TP group of an unsplit model, per-rank sizes, vocab-parallel
+embedding and logits).
 
 Block-FP8 shapes and dequantisation come from kernels/fp8_math.py; the FP8 product
-itself is engine/model/fp8_ops.py.
+itself is engine/model/fp8_ops.py. Collectives are engine/distributed/comm.py's: at TP
+size 1 they return their input untouched, so the unsplit model runs exactly as before.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import comm
+from engine.distributed.groups import TPGroup
 from kernels.fp8_math import FP8_DTYPE, block_scale_shape, dequant_block_fp8
+
+
+def solo_group() -> TPGroup:
+    """The TP group of an unsplit model: size 1, no torch.distributed (every collective is a no-op)."""
+    return TPGroup(rank=0, size=1, ranks=(0,))
+
+
+def tp_local(full: int, tp: TPGroup, what: str) -> int:
+    """`full` / tp.size: this rank's share of a split dimension (ValueError when it does not divide;
+    the model's constructor runs check_model_divisible first, which says which TP sizes work)."""
+    if full % tp.size:
+        raise ValueError(f"{what} = {full} does not split {tp.size} ways")
+    return full // tp.size
+
+
+def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Embedding lookup with `weight` holding this rank's vocab rows [rank * V/tp, (rank + 1) * V/tp):
+    ids outside them give zero rows, and the all-reduce adds the one rank's row that is not zero."""
+    if tp.size == 1:
+        return F.embedding(ids, weight)
+    rows = weight.shape[0]
+    local = ids - tp.rank * rows
+    outside = (local < 0) | (local >= rows)
+    out = F.embedding(local.masked_fill(outside, 0), weight)
+    out.masked_fill_(outside.unsqueeze(-1), 0)
+    return comm.all_reduce(out, tp)
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """float32 logits over the whole vocabulary on every rank: this rank's vocab rows of the head,
+    then an all-gather in rank (= vocabulary) order."""
+    return comm.all_gather_last_dim(F.linear(hidden, weight), tp).float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,13 +100,21 @@ class Linear(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)).
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, fp8_block=None):
+    Under TP, gate / up hold this rank's `inter / tp` rows and down the matching columns, so the
+    output is a partial sum: `reduce` sums it over the group (a dense layer); the MoE's shared
+    experts pass reduce=False and are summed together with the routed experts."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, fp8_block=None,
+                 tp: Optional[TPGroup] = None, reduce: bool = True):
         super().__init__()
-        self.gate_proj = Linear(hidden, inter, dtype, fp8_block)
-        self.up_proj = Linear(hidden, inter, dtype, fp8_block)
-        self.down_proj = Linear(inter, hidden, dtype, fp8_block)
+        self.tp, self.reduce = tp or solo_group(), reduce
+        local = tp_local(inter, self.tp, "MLP intermediate size")
+        self.gate_proj = Linear(hidden, local, dtype, fp8_block)
+        self.up_proj = Linear(hidden, local, dtype, fp8_block)
+        self.down_proj = Linear(local, hidden, dtype, fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return comm.all_reduce(out, self.tp) if self.reduce else out

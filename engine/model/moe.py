@@ -5,6 +5,12 @@ then up rows) and w2 [E, K, N]; FP8 checkpoints add block scales. The experts
 computation goes through the MoE backend of the `ForwardContext` passed to
 `MoE.forward` (`TorchMoEBackend`, the reference, or `TritonMoEBackend`, the fused
 kernel; chosen by name in engine/model/backends.py).
+
+Tensor parallelism splits every routed expert along its intermediate size (w13: this
+rank's N / tp gate rows then its N / tp up rows; w2: the matching columns) and the shared
+experts like a dense MLP; the router stays replicated, so every rank routes every token
+the same way. Routed and shared outputs are both partial sums over the intermediate
+dimension: they are added locally and summed over the group by ONE all-reduce per layer.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.distributed import comm
+from engine.distributed.groups import TPGroup
 from engine.model.context import ForwardContext
-from engine.model.layers import MLP
+from engine.model.layers import MLP, solo_group, tp_local
 from kernels.fp8_math import FP8_DTYPE, WEIGHT_BLOCK, block_scale_shape
 
 
@@ -41,10 +49,12 @@ class MoEBackend(Protocol):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block=None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block=None, tp: Optional[TPGroup] = None):
         super().__init__()
         self.cfg = cfg
-        e, n, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.tp = tp or solo_group()
+        e, k = cfg.n_routed_experts, cfg.hidden_size
+        n = tp_local(cfg.moe_intermediate_size, self.tp, "moe_intermediate_size")  # this rank's share
         self.fp8_block = fp8_block
         self.gate_weight = nn.Parameter(torch.empty(e, k, dtype=dtype), requires_grad=False)
         self.e_score_correction_bias = (
@@ -61,7 +71,8 @@ class MoE(nn.Module):
         else:
             self.w13_scale = self.w2_scale = None
         self.shared_experts = (
-            MLP(k, n * cfg.n_shared_experts, dtype, fp8_block) if cfg.n_shared_experts else None
+            MLP(k, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block, self.tp, reduce=False)
+            if cfg.n_shared_experts else None
         )
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -70,7 +81,7 @@ class MoE(nn.Module):
         out = ctx.moe_backend.experts(self, x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return comm.all_reduce(out, self.tp)
 
 
 class TorchMoEBackend:

@@ -10,14 +10,16 @@ concatenation of everything it emits equals decoding the whole sequence at once.
 
 `held` is the text decoded but held back (it ends in an incomplete character, as
 a full decode would show it). It keeps only that window (a few tokens), never the
-whole text: callers keep what they need. Used by the output processor for stop strings (engine process) and by
+whole text: callers keep what they need. The text of the emitted context is kept
+from the previous call, so a token costs one decode of at most 2 * CONTEXT_TOKENS
++ 1 tokens (plus one more each time the window is cut back to CONTEXT_TOKENS). Used by the output processor for stop strings (engine process) and by
 the server for streamed text (serving process).
 """
 
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
-CONTEXT_TOKENS = 6  # tokens of emitted context decoded again, so word-boundary spaces come out right
+CONTEXT_TOKENS = 6  # at least this many tokens of emitted context are decoded again (word-boundary spaces)
 
 
 class IncrementalDetokenizer:
@@ -27,6 +29,7 @@ class IncrementalDetokenizer:
         self.window: list[int] = []  # emitted context, then the tokens whose text is not emitted yet
         self.read = 0  # window[:read] is emitted context
         self.held = ""  # text of window[read:] held back (ends in U+FFFD), or ""
+        self._read_text = ""  # decode(window[:read])
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None or not ids:
@@ -45,12 +48,17 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str:
         if self.read == len(self.window):
             return ""
-        before = self._decode(self.window[:self.read])
+        before = self._read_text
         now = self._decode(self.window)
         if not final and (len(now) <= len(before) or now.endswith(REPLACEMENT)):
             self.held = now[len(before):]
             return ""  # nothing new yet, or the last character is still incomplete
         self.held = ""
-        self.window = self.window[-CONTEXT_TOKENS:]
-        self.read = len(self.window)
-        return now[len(before):]
+        if len(self.window) > 2 * CONTEXT_TOKENS:
+            self.window = self.window[-CONTEXT_TOKENS:]
+            now_read = self._decode(self.window)
+        else:
+            now_read = now
+        new = now[len(before):]
+        self.read, self._read_text = len(self.window), now_read
+        return new

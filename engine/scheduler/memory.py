@@ -1,11 +1,15 @@
 """KV memory of scheduled requests: request-table rows, pool slots and the radix prefix cache.
 
 `RequestMemory` is the only place that moves slots between the KV pool, the
-radix cache and requests. A request's `slots[:prefix_len]` belong to the cache
-(locked through `last_node`); `slots[prefix_len:]` are its own until it is
-released, when its computed KV is inserted into the cache (or freed when the
-cache is disabled). Invariant when nothing runs:
-pool.available() + cache.total_size() == pool.size.
+radix cache and requests. A request's slots are `req.slots` (a tensor: the
+prompt's, reserved at admission) followed by `req.decode_slots` (a list: one slot
+per decode step, appended in O(1) so a step never copies a request's slots);
+`slots_of` joins them. The first prefix_len belong to the cache (locked through
+`last_node`); the rest are the request's own until it is released, when its
+computed KV is inserted into the cache (or freed when the cache is disabled).
+A request that failed is released with `keep=False`: nothing it computed is
+cached (a failed step may have left its KV half written). Invariant when nothing
+runs: pool.available() + cache.total_size() == pool.size.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from engine.memory.radix_cache import RadixCache
 from engine.scheduler.request import Request
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+EVICT_FRACTION = 256
 
 
 class RequestMemory:
@@ -35,10 +40,13 @@ class RequestMemory:
         return self.cache.total_size() if self.cache else 0
 
     def make_room(self, n: int) -> bool:
-        """Evict from the cache until n slots are free; False when that is impossible."""
+        """Evict from the cache until n slots are free; False when that is impossible.
+
+        An eviction walks the whole tree, so when it must run it frees at least 1/EVICT_FRACTION of the
+        pool: with a full cache, steps then evict once in a while instead of every step."""
         short = n - self.pool.available()
         if short > 0 and self.cache is not None:
-            self.cache.evict(short)
+            self.cache.evict(max(short, self.pool.size // EVICT_FRACTION))
         return self.pool.available() >= n
 
     # ---- admission ---------------------------------------------------------------------
@@ -71,16 +79,24 @@ class RequestMemory:
 
     # ---- decode ---------------------------------------------------------------------------
     def append_decode_slots(self, reqs: list[Request]) -> torch.Tensor:
-        """One new slot per request at position kv_len (caller made room); returns them."""
+        """One new slot per request at position kv_len (caller made room); returns them.
+        O(len(reqs)): one table write for the batch, one list append per request."""
         slots = self.pool.alloc(len(reqs))
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
         pos = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
         dev = self.table.table.device
         self.table.table[rows.to(dev), pos.to(dev)] = slots.to(dev, torch.int32)
-        for req, slot in zip(reqs, slots):
-            req.slots = torch.cat((req.slots, slot[None]))
+        for req, slot in zip(reqs, slots.tolist()):
+            req.decode_slots.append(slot)
             req.kv_len += 1
         return slots
+
+    @staticmethod
+    def slots_of(req: Request) -> torch.Tensor:
+        """All of req's slots, in token order."""
+        if not req.decode_slots:
+            return req.slots
+        return torch.cat((req.slots, torch.tensor(req.decode_slots, dtype=torch.int64)))
 
     # ---- caching -------------------------------------------------------------------------------
     def cache_prefill(self, req: Request) -> None:
@@ -91,6 +107,7 @@ class RequestMemory:
         """
         if self.cache is None:
             return
+        assert not req.decode_slots, "cache_prefill runs before the first decode step"
         k = req.kv_len
         ids = req.token_ids[:k]
         present = self.cache.insert(ids, req.slots[:k])
@@ -105,20 +122,25 @@ class RequestMemory:
             self.cache.dec_lock(req.last_node)
         req.last_node, req.prefix_len = node, k
 
-    def release(self, req: Request) -> None:
-        """Give back req's row and slots; its computed KV goes into the cache when there is one."""
+    def release(self, req: Request, keep: bool = True) -> None:
+        """Give back req's row and slots. With `keep` its computed KV goes into the cache when there is
+        one; without, only the cached prefix it started from stays cached (its own slots are freed)."""
         if req.row is None:
             if req.last_node is not None:
                 self.unmatch(req)
             return
+        slots = self.slots_of(req)
         k = min(req.kv_len, len(req.token_ids))
-        if self.cache is not None:
-            present = self.cache.insert(req.token_ids[:k], req.slots[:k])
-            self.pool.free(req.slots[req.prefix_len:present])  # duplicates of what the cache already had
-            self.pool.free(req.slots[k:])  # reserved but never computed
-            if req.last_node is not None:
-                self.cache.dec_lock(req.last_node)
+        if self.cache is not None and keep:
+            present = self.cache.insert(req.token_ids[:k], slots[:k])
+            self.pool.free(slots[req.prefix_len:present])  # duplicates of what the cache already had
+            self.pool.free(slots[k:])  # reserved but never computed
+        elif self.cache is not None:
+            self.pool.free(slots[req.prefix_len:])
         else:
-            self.pool.free(req.slots)
+            self.pool.free(slots)
+        if self.cache is not None and req.last_node is not None:
+            self.cache.dec_lock(req.last_node)
         self.table.free(req.row)
         req.row, req.slots, req.kv_len, req.prefix_len, req.last_node = None, _EMPTY, 0, 0, None
+        req.decode_slots = []

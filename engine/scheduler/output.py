@@ -25,9 +25,10 @@ class RequestOutput:
     new_top_logprobs: Optional[list[list[tuple[int, float]]]] = None
     prompt_logprobs: Optional[list[Optional[float]]] = None
     prompt_top_logprobs: Optional[list] = None
-    finish_reason: Optional[str] = None  # stop | length | abort
+    finish_reason: Optional[str] = None  # stop | length | abort | error
     matched_stop: Union[int, str, None] = None
     stop_text: Optional[str] = None  # the whole output text, cut before a matched stop string
+    error: Optional[str] = None  # with finish_reason "error": what failed (the step's exception)
 
     @property
     def finished(self) -> bool:
@@ -47,6 +48,7 @@ class CollectedOutput:
     finish_reason: Optional[str] = None
     matched_stop: object = None
     stop_text: Optional[str] = None
+    error: Optional[str] = None
 
     @property
     def finished(self) -> bool:
@@ -62,6 +64,7 @@ class CollectedOutput:
             self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
         if out.finished:
             self.finish_reason, self.matched_stop, self.stop_text = out.finish_reason, out.matched_stop, out.stop_text
+            self.error = out.error
 
     def stopped_by_token(self) -> bool:
         """Ended by EOS or a stop token id: that last token is not part of the text."""

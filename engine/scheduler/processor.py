@@ -5,7 +5,9 @@ resolved it hands them here. Updating state: append the token to the request;
 finish on EOS (unless ignore_eos), a stop token id, a stop string (matched
 incrementally, stops.py), max_new_tokens or the context length; mark the prompt
 log-probs done after a prompt's last chunk; record the finishes the scheduler
-decides (abort, KV pool too small, max_new_tokens 0). That transition depends on
+decides (abort, KV pool too small, max_new_tokens 0, a failed step: reason
+"error" with its message). A request whose update raises (a tokenizer error in
+the stop-string check, say) finishes with "error" alone. That transition depends on
 the sampled tokens and the request's parameters only (no clock, no randomness),
 so identical copies of the scheduler fed the same tokens (tensor-parallel ranks)
 end in identical states.
@@ -17,6 +19,7 @@ log-probs, prompt log-probs once, the finish) until `take()` hands them over.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Optional
 
 from engine.scheduler.output import RequestOutput
@@ -25,6 +28,8 @@ from engine.scheduler.stops import StopStrings
 if TYPE_CHECKING:
     from engine.sampling import SampleResult
     from engine.scheduler.request import Request
+
+log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -39,8 +44,12 @@ class OutputProcessor:
     def process(self, reqs: list["Request"], result: "SampleResult") -> None:
         """One sampled token per request of a step (tokens of requests already finished are discarded)."""
         for req, tok, lp, top in zip(reqs, result.tokens, result.logprobs, result.top):
-            if not req.finished:  # stopped or aborted before this token was processed
-                self._append(req, tok, lp, top)
+            if req.finish_reason is None:  # not stopped or aborted before this token was processed
+                try:
+                    self._append(req, tok, lp, top)
+                except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+                    log.exception("processing a token of request %s failed", req.rid)
+                    self.finish(req, "error", error=f"{type(exc).__name__}: {exc}")
 
     def prompt_logprobs(self, req: "Request", values, final: bool) -> None:
         """Log-probs of one prefill chunk's prompt tokens (a tensor); after the last chunk they are done."""
@@ -54,32 +63,33 @@ class OutputProcessor:
                 self._delta(req).prompt_logprobs = [None] + req.prompt_lp_partial  # the first token has none
             req.prompt_lp_partial = []
 
-    def finish(self, req: "Request", reason: str, matched: object = None, stop_text: Optional[str] = None) -> None:
+    def finish(self, req: "Request", reason: str, matched: object = None, stop_text: Optional[str] = None,
+               error: Optional[str] = None) -> None:
+        """End req (`error`: the message, with reason "error")."""
         req.finish_reason, req.matched_stop, req.stop_matcher = reason, matched, None
         if self.emit:
             d = self._delta(req)
-            d.finish_reason, d.matched_stop, d.stop_text = reason, matched, stop_text
+            d.finish_reason, d.matched_stop, d.stop_text, d.error = reason, matched, stop_text, error
 
     def _append(self, req: "Request", tok: int, lp: float, top: list) -> None:
-        req.token_ids.append(tok)
+        """Append one token and check whether it ends req (the per-token hot path: O(1), no rebuilds)."""
+        ids = req.token_ids
+        ids.append(tok)
         if self.emit:
-            d = self._delta(req)
+            d = self._deltas.get(req.rid) or self._delta(req)
             d.new_token_ids.append(tok)
             if d.new_logprobs is not None:
                 d.new_logprobs.append(lp)
-            if d.new_top_logprobs is not None:
-                d.new_top_logprobs.append(top)
-        self._check_finish(req, tok)
-
-    def _check_finish(self, req: "Request", tok: int) -> None:
+                if d.new_top_logprobs is not None:
+                    d.new_top_logprobs.append(top)
         p = req.params
-        if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+        if (tok in self.eos_ids and not p.ignore_eos) or (p.stop_token_ids and tok in p.stop_token_ids):
             self.finish(req, "stop", tok)
             return
-        hit = self._stop_string(req, tok)
+        hit = self._stop_string(req, tok) if p.stop else None
         if hit is not None:
             self.finish(req, "stop", *hit)
-        elif req.num_output >= p.max_new_tokens or len(req.token_ids) >= self.max_model_len:
+        elif len(ids) - req.prompt_len >= p.max_new_tokens or len(ids) >= self.max_model_len:
             self.finish(req, "length")
 
     def _stop_string(self, req: "Request", tok: int) -> Optional[tuple[str, str]]:

@@ -24,13 +24,16 @@ class Request:
     prompt_len: int
     params: SamplingParams
     generator: Optional[torch.Generator] = None
-    finish_reason: Optional[str] = None  # stop | length | abort
+    finish_reason: Optional[str] = None  # stop | length | abort | error
     matched_stop: Optional[object] = None  # the stop string or token id that ended it
-    # KV memory: the request-table row and the slots reserved for its tokens, in order.
-    # slots[:kv_len] hold computed (or launched) KV; slots[:prefix_len] belong to the radix
-    # cache and are locked through `last_node`; the rest belong to the request.
+    # KV memory: the request-table row and the slots reserved for its tokens, in order: `slots`
+    # (a host tensor, set at admission and after the prefill) then `decode_slots` (one per decode
+    # step, appended in O(1); RequestMemory.slots_of joins them). Of those, the first kv_len hold
+    # computed (or launched) KV; the first prefix_len belong to the radix cache and are locked
+    # through `last_node`; the rest belong to the request.
     row: Optional[int] = None
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    decode_slots: list[int] = field(default_factory=list)
     kv_len: int = 0
     prefix_len: int = 0
     last_node: Optional[object] = None

@@ -12,10 +12,22 @@ budget (--max-prefill-tokens, and --chunked-prefill-size when chunking) and KV
 memory allow. A request reuses the longest cached prefix of its tokens (at most
 all but its last token) and reserves slots for the rest of its prompt at once; a
 prompt longer than the step budget is prefilled chunk by chunk across steps (one
-such request at a time). KV memory is found by evicting unlocked radix-cache
-leaves (LRU) first; when a decode step still lacks slots, the newest running
-requests are retracted: their computed KV goes into the cache, their generated
-tokens are kept, and they are requeued at the front, never dropped.
+such request at a time). KV memory must also cover a reservation for the tokens
+the admitted requests will still generate (admission.py), so what is admitted
+can keep decoding. KV memory is found by evicting unlocked radix-cache leaves
+(LRU) first; when a decode step still lacks slots, the newest requests are
+retracted (a chunked prefill in progress first, then the newest running ones):
+their computed KV goes into the cache, their generated tokens are kept, and they
+are requeued at the front, never dropped; readmitted, they prefill prompt plus
+output (mostly a cache hit) and go on where they stopped.
+
+Failures: if a step raises (an out-of-memory error, a kernel error, anything),
+the requests of that step's batch finish with reason "error" and the message,
+their KV is freed without being cached (it may be half written), and the
+scheduler goes on with the others; a request whose output processing raises
+fails alone (processor.py). After MAX_CONSECUTIVE_FAILED_STEPS failed steps in a
+row the error is raised: the device is presumably unusable, and the engine
+process ends (the server then reports it down) rather than fail every request.
 
 Overlap (default): step N launches its forward and sampling, then processes the
 results of step N-1 (append tokens, stop checks, detokenisation) while the
@@ -30,13 +42,14 @@ Results: the scheduler only decides what runs and launches it. Resolved samples
 and prompt log-probs go to the `OutputProcessor` (processor.py), which updates
 the requests (tokens, stops, finish) and gathers the per-request deltas that
 `take_outputs()` hands to the caller (the server's engine loop or the offline
-Engine). Finishes decided here (abort, KV pool too small, max_new_tokens 0) go
-through it too, so every finish produces its delta. Prompts are checked by
-`prompt_check.check_prompt`, the same check the server runs.
+Engine). Finishes decided here (abort, KV pool too small, max_new_tokens 0, a
+failed step) go through it too, so every finish produces its delta. Prompts are
+checked by `prompt_check.check_prompt`, the same check the server runs.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -47,12 +60,17 @@ from engine.args import SchedulerArgs
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.runner import ModelRunner
 from engine.sampling import PendingSample, sample_async
+from engine.scheduler.admission import Reservation
 from engine.scheduler.memory import RequestMemory
 from engine.scheduler.output import RequestOutput
 from engine.scheduler.policy import POLICIES, order_waiting
 from engine.scheduler.processor import OutputProcessor
 from engine.scheduler.prompt_check import PromptLimits, check_prompt
 from engine.scheduler.request import Request
+
+log = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_FAILED_STEPS = 8
 
 
 @dataclass
@@ -95,8 +113,11 @@ class Scheduler:
         self.prefilling: Optional[Request] = None  # a long prompt between two chunks
         self._pending: Optional[Launch] = None
         self._last_was_extend = False
+        self.reservation = Reservation(runner.max_model_len)
+        self._launching: list[Request] = []  # the batch of the forward being launched (failed if it raises)
+        self._failed_in_a_row = 0
         self._counters = {"prompt_tokens": 0, "prefix_cache_hit_tokens": 0, "retracted_requests": 0,
-                          "extend_steps": 0, "decode_steps": 0}
+                          "extend_steps": 0, "decode_steps": 0, "failed_steps": 0, "failed_requests": 0}
 
     @property
     def cache(self):
@@ -131,8 +152,16 @@ class Scheduler:
         self._release_finished()
 
     def step(self) -> None:
-        """Run one forward and process the results due now (with overlap: those of the previous forward)."""
-        launch = self._schedule_and_launch()
+        """Run one forward and process the results due now (with overlap: those of the previous forward).
+
+        A forward (or its sampling, or the reading of its results) that raises fails the requests of
+        its batch, not the scheduler; see the module docstring."""
+        try:
+            launch = self._schedule_and_launch()
+        except Exception as exc:  # noqa: BLE001 - the batch fails, the engine goes on
+            self._fail(self._launching, exc)
+            launch = None
+        self._launching = []
         if self.overlap:
             previous, self._pending = self._pending, launch
             if previous is not None:
@@ -180,6 +209,7 @@ class Scheduler:
                 and len(r.token_ids) + r.pending < limit]
 
     def _schedule_and_launch(self) -> Optional[Launch]:
+        self._launching = []
         decodable = self._decodable()
         if (self.prefilling is not None or self.waiting) and not (self._last_was_extend and decodable):
             chunks = self._build_extend(len(decodable))
@@ -188,7 +218,7 @@ class Scheduler:
                 return self._launch_extend(chunks)
         self._last_was_extend = False
         if decodable:
-            reqs = self._prepare_decode()
+            reqs = self._prepare_decode(decodable)
             if reqs:
                 return self._launch_decode(reqs)
         return None
@@ -209,18 +239,31 @@ class Scheduler:
             if end < len(req.token_ids):
                 return chunks
         order_waiting(self.waiting, self.schedule_policy, self.cache)
-        slots_left = self.max_running - len(self._active())
+        active = self._active()
+        slots_left = self.max_running - len(active)
+        future: Optional[int] = None  # the reservation of everything admitted (O(running): made when needed)
         while self.waiting and slots_left > 0:
             if chunking and budget <= 0:
                 break
             req = self.waiting[0]
             self.mem.match(req)
             need = len(req.token_ids) - req.prefix_len
-            reserve = decoding + len(chunks) + 1  # one decode slot each for the next step
-            if (not chunking and chunks and need > budget) or self.mem.headroom() - reserve < need \
-                    or not self.mem.reserve(req):
+            # Room for req's tokens, one decode slot each for the next step and the expected future tokens
+            # of everything admitted; a request admitted alone needs only its own tokens (it always makes
+            # progress).
+            alone, mine = not (active or chunks), 0
+            fits = (chunking or not chunks or need <= budget) and \
+                self.mem.headroom() - (0 if alone else decoding + len(chunks) + 1) >= need
+            if fits and not alone:
+                if future is None:
+                    future = self.reservation.total(active + [c.req for c in chunks if c.req is not self.prefilling])
+                mine = self.reservation.future(req)
+                fits = self.mem.headroom() - (future + mine) >= need
+            if not fits or not self.mem.reserve(req):
                 self.mem.unmatch(req)
                 break
+            if future is not None:
+                future += mine
             self.waiting.popleft()
             slots_left -= 1
             self._count_admission(req)
@@ -241,28 +284,36 @@ class Scheduler:
         if req.wants_prompt_logprobs:
             req.prompt_lp_partial = []
 
-    def _prepare_decode(self) -> list[Request]:
-        """The decode batch, with a KV slot available for each (evict, then retract if needed)."""
-        reqs = self._decodable()
+    def _prepare_decode(self, reqs: list[Request]) -> list[Request]:
+        """The decode batch (`reqs`: the decodable requests), with a KV slot available for each: evict from
+        the cache, then retract the newest requests (a chunked prefill in progress first) if needed."""
         if self.mem.make_room(len(reqs)):
             return reqs
         self._sync()  # finished requests may free memory; retraction needs processed state
+        retracted = False
         while True:
             reqs = self._decodable()
             if self.mem.make_room(len(reqs)):
-                return reqs
-            if len(self.running) > 1:
-                self._retract(self.running.pop())
-            elif self.prefilling is not None:
-                self._retract(self.prefilling)
-                self.prefilling = None
+                break
+            if self.prefilling is not None:  # the newest admission; it holds slots for its whole prompt
+                victim, self.prefilling = self.prefilling, None
+            elif len(self.running) > 1:
+                victim = self.running.pop()
             else:
                 for req in self.running:  # a single request that fills the whole KV pool
                     self.outputs.finish(req, "length")
                 self._release_finished()
-                return []
+                reqs = []
+                break
+            self._retract(victim)
+            retracted = True
+        if retracted:
+            self.reservation.retracted()
+        return reqs
 
     def _retract(self, req: Request) -> None:
+        """Free req's KV (its computed part goes into the cache) and requeue it at the front; readmitted,
+        it prefills its prompt and output so far (recompute) and goes on."""
         self.mem.release(req)
         req.retracted += 1
         self._counters["retracted_requests"] += 1
@@ -275,15 +326,40 @@ class Scheduler:
         self._release_finished()
 
     def _release_finished(self) -> None:
-        for req in [r for r in self.running if r.finished]:
-            self.mem.release(req)
-            self.running.remove(req)
+        if any(r.finished for r in self.running):
+            done = [r for r in self.running if r.finished]
+            self.running = [r for r in self.running if not r.finished]
+            for req in done:
+                self._release(req)
         if self.prefilling is not None and self.prefilling.finished:
-            self.mem.release(self.prefilling)
+            self._release(self.prefilling)
             self.prefilling = None
+
+    def _release(self, req: Request) -> None:
+        """Free a finished request's KV; what a failed request computed is not cached (maybe half written)."""
+        self.mem.release(req, keep=req.finish_reason != "error")
+
+    # ---- failures ----------------------------------------------------------------
+    def _fail(self, batch: list[Request], exc: BaseException) -> None:
+        """A step of `batch` raised: those requests finish with reason "error"; the rest go on."""
+        self._counters["failed_steps"] += 1
+        self._failed_in_a_row += 1
+        message = f"{type(exc).__name__}: {exc}".strip()
+        log.error("a step of %d request(s) failed: %s", len(batch), message, exc_info=exc)
+        listed = {id(r) for r in self.running} | {id(self.prefilling)} | {id(r) for r in self.waiting}
+        for req in {id(r): r for r in batch}.values():
+            if not req.finished:
+                self._counters["failed_requests"] += 1
+                self.outputs.finish(req, "error", error=message)
+            if id(req) not in listed:  # admitted in the failed step, in no list yet: release it here
+                self._release(req)
+        self._release_finished()
+        if self._failed_in_a_row >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise RuntimeError(f"{self._failed_in_a_row} steps in a row failed; the last: {message}") from exc
 
     # ---- forwards ----------------------------------------------------------
     def _launch_extend(self, chunks: list[_Chunk]) -> Launch:
+        self._launching = [c.req for c in chunks]
         ids, rows, prefix_lens, extend_lens, logits_idx, start = [], [], [], [], [], 0
         for c in chunks:
             n = c.end - c.start
@@ -330,6 +406,7 @@ class Scheduler:
         return launch
 
     def _launch_decode(self, reqs: list[Request]) -> Launch:
+        self._launching = reqs
         slots = self.mem.append_decode_slots(reqs)
         positions = [r.kv_len - 1 for r in reqs]
         host_ids = [r.token_ids[p] if not r.pending else 0 for r, p in zip(reqs, positions)]
@@ -339,6 +416,7 @@ class Scheduler:
             fb.input_ids = self._inputs_from_pending(reqs, fb.input_ids)
         out = self.runner.forward(fb)
         self._counters["decode_steps"] += 1
+        self.reservation.decode_step()
         return Launch(sampled=list(reqs), sample=self._sample(reqs, out.logits))
 
     def _inputs_from_pending(self, reqs: list[Request], host_ids: torch.Tensor) -> torch.Tensor:
@@ -359,11 +437,17 @@ class Scheduler:
 
     # ---- results ---------------------------------------------------------------
     def _process(self, launch: Launch) -> None:
-        for req, lp, final in launch.prompt_lp:
-            self.outputs.prompt_logprobs(req, lp, final)
-        if launch.sample is None:
-            return
-        res = launch.sample.resolve()
+        """Hand a step's results to the output processor (a step whose results cannot be read fails)."""
         for req in launch.sampled:
             req.pending -= 1
+        try:
+            for req, lp, final in launch.prompt_lp:
+                self.outputs.prompt_logprobs(req, lp, final)
+            if launch.sample is None:
+                return
+            res = launch.sample.resolve()
+        except Exception as exc:  # noqa: BLE001 - e.g. a device error that surfaces at the copy
+            self._fail(launch.sampled + [req for req, _, _ in launch.prompt_lp], exc)
+            return
+        self._failed_in_a_row = 0
         self.outputs.process(launch.sampled, res)

@@ -60,8 +60,11 @@ class _Route:
 
 
 class EngineClient:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, rank_main=None):
+        """`rank_main`: what each rank process runs (default engine_process.engine_main; tests pass a
+        picklable wrapper of it)."""
         self.args = args
+        self._rank_main = rank_main
         self.info: Optional[EngineInfo] = None
         self.stats = EngineStats()
         self.dead_reason: Optional[str] = None
@@ -89,7 +92,7 @@ class EngineClient:
         from_engine_r, from_engine_w = ctx.Pipe(duplex=False)
         pc = with_local_init_addr(self.args.parallel.config())
         args = self.args.replace(dist_init_addr=pc.dist_init_addr)
-        self._ranks = start_ranks(engine_main, pc.ranks_per_node, (args, to_engine_r, from_engine_w),
+        self._ranks = start_ranks(self._rank_main or engine_main, pc.ranks_per_node, (args, to_engine_r, from_engine_w),
                                   first_rank=pc.global_rank(0))
         to_engine_r.close()
         from_engine_w.close()

@@ -42,7 +42,8 @@ def scheduler_stats(scheduler, runner) -> protocol.EngineStats:
     return protocol.EngineStats(running=running, waiting=len(scheduler.waiting), kv_total_tokens=int(pool.size),
                                 kv_free_tokens=int(pool.available()),
                                 prefix_cache_tokens=extra["prefix_cache_tokens"],
-                                prefix_cache_hit_rate=extra["prefix_cache_hit_rate"])
+                                prefix_cache_hit_rate=extra["prefix_cache_hit_rate"],
+                                retracted_requests=extra["retracted_requests"])
 
 
 class EngineLoop:
@@ -141,9 +142,11 @@ def _warm_up(engine) -> None:
                     sampling_params=SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
 
 
-def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], outbox: Optional[Connection]) -> None:
+def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], outbox: Optional[Connection],
+                make_engine=None) -> None:
     """Entry point of one spawned engine rank (`start_ranks` target). The pipes are used by world rank 0
-    only (other ranks, and every rank on nodes other than 0, get None or close theirs)."""
+    only (other ranks, and every rank on nodes other than 0, get None or close theirs). `make_engine(args,
+    local_rank)` builds the Engine (default: `Engine`; tests wrap it)."""
     # Ctrl-C and a SIGTERM sent to the whole process group are for the serving process to handle:
     # it aborts the requests and tells the ranks to stop (or rank 0 sees the pipe close).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -161,7 +164,7 @@ def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], 
     try:
         from engine.engine import Engine
 
-        engine = Engine(args, local_rank=local_rank)
+        engine = (make_engine or Engine)(args, local_rank=local_rank)
         _warm_up(engine)
     except BaseException as exc:  # noqa: BLE001 - report any startup failure to the server
         msg = str(exc) if isinstance(exc, DsctlError) else traceback.format_exc()

@@ -105,6 +105,8 @@ class Generation:
                 now = time.monotonic()
                 delta = seq.apply(item)
                 self._observe(seq, item, now)
+                if item.finish_reason == "error":  # a failed engine step: a 500, or an error event in a stream
+                    raise server_error(f"the request failed in the engine: {item.error}")
                 if item.finished:
                     left -= 1
                 yield index, delta, item

@@ -2,14 +2,14 @@
 
 Counters and latency histograms are updated in the serving process as outputs
 arrive; the engine's load and memory gauges (running / waiting requests, KV
-pool usage and free tokens, prefix-cache holdings and hit rate) are read from
-the latest EngineStats at scrape time.
+pool usage and free tokens, prefix-cache holdings and hit rate) and its
+retraction counter are read from the latest EngineStats at scrape time.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no *_created series: they double the output and nobody here reads them
 
@@ -44,6 +44,8 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
+        yield CounterMetricFamily("dsctl_retracted_requests", "Requests preempted because decode ran out of KV "
+                                  "(requeued and resumed by recompute).", value=float(s.retracted_requests))
 
 
 class ServerMetrics:

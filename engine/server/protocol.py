@@ -52,6 +52,7 @@ class EngineStats:
     kv_free_tokens: int = 0
     prefix_cache_tokens: int = 0  # KV tokens held (evictable) by the prefix cache
     prefix_cache_hit_rate: float = 0.0
+    retracted_requests: int = 0  # cumulative: requests preempted when decode ran out of KV (resumed later)
 
 
 @dataclass

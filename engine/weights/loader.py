@@ -5,6 +5,12 @@ into the MoE's w13 / w2 (and their FP8 block scales). FP8 tensors are either kep
 (W8A8 path) or dequantised exactly; plain tensors loaded into FP8 targets are
 block-quantised (both with kernels/fp8_math.py). Every target must be filled: anything missing is reported as
 one `CheckpointError` listing every missing tensor.
+
+Tensor parallelism: given a rank's `TPGroup`, every tensor is read through safetensors'
+`get_slice` as only that rank's part (engine/weights/sharding.py's rules, by our parameter
+name), FP8 block scales as the blocks that cover it; no whole split tensor is ever read.
+A sliced FP8 weight is dequantised with `dequant_slice` (exact even inside a block), kept
+FP8 as it is, or, from a plain checkpoint, quantised per rank.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.distributed.groups import TPGroup
 from engine.errors import CheckpointError
+from engine.weights.sharding import SliceSpec, dequant_slice, read_slice, scale_spec, shard_spec
 from kernels.fp8_math import FP8_DTYPE, cdiv, dequant_block_fp8, quantize_block_fp8
 
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
@@ -91,17 +99,39 @@ def hf_to_target(name: str, cfg: ModelConfig, num_layers: int, mtp: bool) -> Opt
 
 
 class _Shards:
-    def __init__(self, ckpt: Path, wmap: dict[str, str]):
-        self.ckpt, self.wmap, self._open = ckpt, wmap, {}
+    """The checkpoint's shard files, opened on first use, read as one TP rank's slices."""
 
-    def get(self, name: str) -> torch.Tensor:
+    def __init__(self, ckpt: Path, wmap: dict[str, str], tp_rank: int = 0, tp_size: int = 1):
+        self.ckpt, self.wmap, self._open = ckpt, wmap, {}
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    def handle(self, name: str):
         fname = self.wmap[name]
         if fname not in self._open:
             try:
                 self._open[fname] = safe_open(str(self.ckpt / fname), framework="pt")
             except Exception as exc:  # noqa: BLE001 - report any unreadable shard clearly
                 raise CheckpointError(f"cannot read shard {fname}: {exc}") from None
-        return self._open[fname].get_tensor(name)
+        return self._open[fname]
+
+    def read(self, name: str, param: str, block: tuple[int, int]
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[SliceSpec]]:
+        """This rank's part of checkpoint tensor `name`, which fills our parameter `param`:
+        (tensor, its FP8 scale slice or None, the tensor's SliceSpec or None when read whole)."""
+        handle = self.handle(name)
+        shape = handle.get_slice(name).get_shape()
+        try:
+            spec = shard_spec(param, shape, self.tp_rank, self.tp_size)
+        except ValueError as exc:
+            raise CheckpointError(f"{name}: {exc}") from None
+        src = read_slice(handle, name, spec)
+        if src.dtype != FP8_DTYPE:
+            return src, None, spec
+        sname = name[: -len("weight")] + "weight_scale_inv"
+        if sname not in self.wmap:
+            raise CheckpointError(f"FP8 tensor {name} has no {sname} in the checkpoint")
+        sspec = None if spec is None else scale_spec(spec, shape, block)
+        return src, read_slice(self.handle(sname), sname, sspec), spec
 
 
 def _expert_slice(param: torch.Tensor, t: Target, n_rows: int) -> torch.Tensor:
@@ -114,37 +144,38 @@ def _expert_slice(param: torch.Tensor, t: Target, n_rows: int) -> torch.Tensor:
     return dst
 
 
-def _convert(src: torch.Tensor, scale: Optional[torch.Tensor], dst: torch.Tensor, block) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Bring a checkpoint tensor to the destination's dtype (dequantise or quantise FP8 as needed)."""
+def _convert(src: torch.Tensor, scale: Optional[torch.Tensor], dst: torch.Tensor, block,
+             spec: Optional[SliceSpec] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Bring a checkpoint tensor (a TP slice when `spec` is given) to the destination's dtype
+    (dequantise or quantise FP8 as needed)."""
     if src.dtype == FP8_DTYPE and dst.dtype != FP8_DTYPE:
-        return dequant_block_fp8(src, scale, block, dst.dtype), None
+        if spec is None:
+            return dequant_block_fp8(src, scale, block, dst.dtype), None
+        return dequant_slice(src, scale, spec, block, dst.dtype), None
     if src.dtype != FP8_DTYPE and dst.dtype == FP8_DTYPE:
         return quantize_block_fp8(src, block)
     return src.to(dst.dtype), scale
 
 
 def load_checkpoint(modules: dict[str, torch.nn.Module], ckpt: Path, cfg: ModelConfig, num_layers: int,
-                    block: tuple[int, int]) -> None:
-    """Fill the parameters of modules {"": main model, "mtp.": MTP layer or absent} from ckpt."""
+                    block: tuple[int, int], tp: Optional[TPGroup] = None) -> None:
+    """Fill the parameters of modules {"": main model, "mtp.": MTP layer or absent} from ckpt.
+
+    block: the checkpoint's FP8 block (and the block plain weights are quantised to for FP8 targets).
+    tp: the TP group the modules were built for (None: unsplit); only this rank's slices are read."""
     wmap = weight_map(ckpt)
     mtp = "mtp." in modules
     params = {prefix + k: v for prefix, mod in modules.items() for k, v in mod.named_parameters()}
     filled: set[tuple[str, Optional[int], Optional[str]]] = set()
-    shards = _Shards(ckpt, wmap)
+    shards = _Shards(ckpt, wmap, *((tp.rank, tp.size) if tp is not None else (0, 1)))
     for name in wmap:
         if name.endswith("weight_scale_inv"):
             continue  # consumed together with its weight
         t = hf_to_target(name, cfg, num_layers, mtp)
         if t is None or t.name not in params:
             continue
-        src = shards.get(name)
-        scale = None
-        if src.dtype == FP8_DTYPE:
-            sname = name[: -len("weight")] + "weight_scale_inv"
-            if sname not in wmap:
-                raise CheckpointError(f"FP8 tensor {name} has no {sname} in the checkpoint")
-            scale = shards.get(sname)
-        _store(params, t, src, scale, block, cfg, filled)
+        src, scale, spec = shards.read(name, t.name, block)
+        _store(params, t, src, scale, block, filled, spec)
     _share_mtp_embeddings(modules, filled)
     if cfg.tie_word_embeddings and ("embed_tokens", None, None) in filled:
         modules[""].lm_head = modules[""].embed_tokens
@@ -156,30 +187,39 @@ def load_checkpoint(modules: dict[str, torch.nn.Module], ckpt: Path, cfg: ModelC
         raise CheckpointError("\n  ".join([head, *lines[:50]] + (["..."] if len(lines) > 50 else [])))
 
 
-def _store(params, t: Target, src, scale, block, cfg: ModelConfig, filled) -> None:
+def _store(params, t: Target, src, scale, block, filled, spec: Optional[SliceSpec] = None) -> None:
     param = params[t.name]
     if t.expert is None:
-        value, new_scale = _convert(src, scale, param, block)
+        value, new_scale = _convert(src, scale, param, block, spec)
         if value.shape != param.shape:
             raise CheckpointError(f"{t.name}: checkpoint shape {tuple(value.shape)} != expected {tuple(param.shape)}")
         param.data.copy_(value)
         filled.add((t.name, None, None))
         _store_scale(params, t.name, new_scale, filled)
         return
-    n_rows = cfg.moe_intermediate_size
+    n_rows = param.shape[-2] // 2 if t.part != "down" else 0  # this rank's gate (= up) rows of w13
     dst = _expert_slice(param, t, n_rows)
-    value, new_scale = _convert(src, scale, dst, block)
+    value, new_scale = _convert(src, scale, dst, block, spec)
+    if value.shape != dst.shape:
+        raise CheckpointError(f"{t.name} expert {t.expert} {t.part}: checkpoint shape {tuple(value.shape)} "
+                              f"!= expected {tuple(dst.shape)}")
     dst.copy_(value)
     filled.add((t.name, t.expert, t.part))
     if new_scale is not None:
-        sparam = params[t.name + "_scale"]
-        _expert_slice(sparam, t, cdiv(n_rows, block[0])).copy_(new_scale)
+        sdst = _expert_slice(params[t.name + "_scale"], t, cdiv(n_rows, block[0]))
+        if new_scale.shape != sdst.shape:
+            raise CheckpointError(f"{t.name}_scale expert {t.expert} {t.part}: checkpoint scale shape "
+                                  f"{tuple(new_scale.shape)} != expected {tuple(sdst.shape)}")
+        sdst.copy_(new_scale)
         filled.add((t.name + "_scale", t.expert, t.part))
 
 
 def _store_scale(params, name: str, scale, filled) -> None:
     sname = name[: -len("weight")] + "weight_scale_inv" if name.endswith("weight") else None
     if scale is not None and sname in params:
+        if scale.shape != params[sname].shape:
+            raise CheckpointError(f"{sname}: checkpoint scale shape {tuple(scale.shape)} != expected "
+                                  f"{tuple(params[sname].shape)}")
         params[sname].data.copy_(scale)
         filled.add((sname, None, None))
 

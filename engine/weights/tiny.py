@@ -1,10 +1,13 @@
-"""Built-in synthetic checkpoints (`tiny`, `tiny-fp8`) written in the exact HF layout.
+"""Built-in synthetic checkpoints (`tiny`, `tiny-fp8`, `tiny-fp8-tp`) written in the exact HF layout.
 
 The weights are drawn from numpy's PCG64 with a fixed seed, so every machine
 materialises byte-identical files: sharded safetensors + model.safetensors.index.json,
 config.json, a byte-level tokenizer.json and a tokenizer_config.json with a
 DeepSeek-style chat template. `tiny-fp8` is the same model with its linear
-weights stored as 128x128 block FP8 + weight_scale_inv.
+weights stored as 128x128 block FP8 + weight_scale_inv. `tiny-fp8-tp` is a block-FP8
+model shaped so that its TP 2 and TP 4 slices are whole 128 x 128 blocks (128-row heads,
+o_proj / MLP / expert intermediate dims of 512 or more), so it stays FP8 under TP (see
+docs/parallelism.md, "FP8 blocks"); `tiny-fp8` at TP 2 / 4 does not.
 """
 
 from __future__ import annotations

@@ -115,3 +115,10 @@ def test_generate_cli_prints_the_same_text_with_tp():
         return out.stdout
 
     assert run("--tp", "2") == run()
+
+
+def test_enable_dp_attention_alone_runs_on_one_rank(caplog):
+    """`dsctl serve --enable-dp-attention` as typed: on CPU (or one GPU) it spans the one rank there is."""
+    with caplog.at_level("WARNING"):
+        check_launch(EngineArgs.of(model="tiny", device="cpu", enable_dp_attention=True))
+    assert "same as plain attention" in caplog.text

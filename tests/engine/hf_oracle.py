@@ -32,12 +32,13 @@ VARIANTS = {
 }
 
 
-def make_checkpoint(variant: str, directory: Path, seed: int = 0, dtype=torch.bfloat16) -> Path:
-    """Save a random transformers model of the variant in HF layout (sharded) and return its dir."""
+def make_checkpoint(variant: str, directory: Path, seed: int = 0, dtype=torch.bfloat16, **overrides) -> Path:
+    """Save a random transformers model of the variant in HF layout (sharded) and return its dir.
+    `overrides` replace COMMON sizes (e.g. an even vocab_size for tensor parallelism)."""
     import transformers
 
     cfg_name, model_name, extra = VARIANTS[variant]
-    cfg = getattr(transformers, cfg_name)(**COMMON, **extra)
+    cfg = getattr(transformers, cfg_name)(**{**COMMON, **overrides}, **extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg)
     with torch.no_grad():  # make routing and biases non-trivial
@@ -52,7 +53,7 @@ def make_checkpoint(variant: str, directory: Path, seed: int = 0, dtype=torch.bf
             if "e_score_correction_bias" in name:
                 b.normal_(0, 0.1)
         model.model.embed_tokens.weight.normal_(0, 1.0)
-        model.lm_head.weight.normal_(0, 4.0 / COMMON["hidden_size"] ** 0.5)  # peaked next-token distributions
+        model.lm_head.weight.normal_(0, 4.0 / cfg.hidden_size ** 0.5)  # peaked next-token distributions
     model.to(dtype).save_pretrained(directory, max_shard_size="200KB")
     return directory
 

@@ -3,7 +3,7 @@
 Run as `python -m tests.server.offline_ref` with a JSON list of jobs on stdin;
 prints a JSON list of results (one list of outputs per job). A job is
 {"prompts": [...]} or {"input_ids": [[...]]} or {"messages": [...]} (rendered
-with the chat template), with "max_tokens" and optional "prompt_logprobs".
+with the chat template), with "max_tokens" and optional "prompt_logprobs" and "ignore_eos".
 
 It runs outside pytest because tests/conftest.py sets TRITON_INTERPRET=1 for
 the kernel tests, and the offline Engine is many times slower in a process that
@@ -26,7 +26,8 @@ def _run(jobs: list[dict]) -> list[list[dict]]:
     results = []
     for job in jobs:
         params = SamplingParams(temperature=0, max_new_tokens=job["max_tokens"],
-                                prompt_logprobs=bool(job.get("prompt_logprobs")))
+                                prompt_logprobs=bool(job.get("prompt_logprobs")),
+                                ignore_eos=bool(job.get("ignore_eos")))
         if "messages" in job:
             outs = engine.generate(input_ids=[engine.tokenizer.apply_chat_template(job["messages"])],
                                    sampling_params=params)

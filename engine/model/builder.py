@@ -1,0 +1,100 @@
+"""Build one rank's DeepSeek model (and its MTP layer) and fill its weights, in one call.
+
+`build_model` is what a model runner calls on every TP rank, with that rank's `TPGroup`
+(None or size 1: the unsplit model):
+
+1. the TP size is checked against the model (heads, intermediate sizes, vocab and, for
+   weights kept FP8, the 128 x 128 blocks: `check_model_divisible`), before anything is
+   allocated;
+2. the modules are built on `device` holding only this rank's shards;
+3. weights come from the checkpoint, each rank reading only its slices
+   (engine/weights/loader.py), or are dummy weights equal to the rank's slice of the TP-1
+   dummy weights (engine/weights/dummy.py);
+4. MLA's absorbed w_kc / w_vc are derived from the rank's kv_b_proj heads.
+
+The MTP/NextN layer is built when the config has one and the checkpoint ships it (dummy
+weights always have it), with its own KV-cache layer right after the decoder layers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from engine.config import ModelConfig
+from engine.distributed.groups import TPGroup
+from engine.model.deepseek import DeepseekForCausalLM, MTPLayer
+from engine.model.layers import solo_group
+from kernels.fp8_math import WEIGHT_BLOCK
+
+
+def has_mtp_layer(config: ModelConfig, checkpoint: Optional[Path]) -> bool:
+    """Whether the MTP layer can be built: the config has one and the checkpoint (if any) ships it."""
+    if not config.num_nextn_predict_layers:
+        return False
+    if checkpoint is None:
+        return True
+    from engine.weights.loader import has_mtp, weight_map
+
+    return has_mtp(weight_map(checkpoint), config)
+
+
+def make_modules(config: ModelConfig, num_layers: int, dtype: torch.dtype, fp8_block=None,
+                 tp: Optional[TPGroup] = None, mtp: bool = True) -> dict[str, torch.nn.Module]:
+    """{"": the model, "mtp.": its MTP layer (when `mtp`)} for one rank, weights unfilled (on the
+    current default device: wrap in `with torch.device(...)`, "meta" for shapes only)."""
+    cfg = config.with_num_layers(num_layers)
+    modules: dict[str, torch.nn.Module] = {"": DeepseekForCausalLM(cfg, dtype, fp8_block, tp)}
+    if mtp:
+        modules["mtp."] = MTPLayer(cfg, num_layers, dtype, fp8_block,
+                                   moe=config.is_moe_layer(config.num_hidden_layers), tp=tp)
+    return modules
+
+
+def full_shapes(config: ModelConfig, num_layers: int, dtype: torch.dtype, fp8_block=None,
+                mtp: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every parameter's unsplit (TP 1) shape, by name (built on the meta device: no memory)."""
+    from engine.weights.loader import iter_params
+
+    with torch.device("meta"):
+        modules = make_modules(config, num_layers, dtype, fp8_block, None, mtp)
+    return {name: tuple(p.shape) for name, p in iter_params(modules)}
+
+
+def build_model(config: ModelConfig, num_layers: int, dtype: torch.dtype, device: torch.device | str,
+                fp8_block: Optional[tuple[int, int]] = None, tp: Optional[TPGroup] = None, *,
+                checkpoint: Optional[Path] = None, seed: int = 0,
+                mtp: Optional[bool] = None) -> tuple[DeepseekForCausalLM, Optional[MTPLayer]]:
+    """This rank's (model, MTP layer or None), weights loaded, in eval mode.
+
+    config: the checkpoint's whole config (num_layers <= its num_hidden_layers keeps the first ones);
+    fp8_block: the block of weights kept FP8 (None: FP8 checkpoints are dequantised at load);
+    tp: this rank's TP group (None: unsplit); checkpoint: the directory, or None for dummy weights
+    drawn from `seed`; mtp: build the MTP layer (None: when `has_mtp_layer`)."""
+    tp = tp or solo_group()
+    want_mtp = has_mtp_layer(config, checkpoint) if mtp is None else mtp
+    with torch.device(device):
+        modules = make_modules(config, num_layers, dtype, fp8_block, tp, want_mtp)
+    model, mtp_layer = modules[""], modules.get("mtp.")
+    from engine.weights.loader import iter_params
+
+    if checkpoint is None:
+        from engine.weights.dummy import fill_dummy
+
+        shapes = full_shapes(config, num_layers, dtype, fp8_block, want_mtp) if tp.size > 1 else None
+        fill_dummy(iter_params(modules), seed, shapes, tp, fp8_block)
+        if mtp_layer is not None:
+            mtp_layer.embed_tokens, mtp_layer.head = model.embed_tokens, model.lm_head
+    else:
+        from engine.weights.loader import load_checkpoint
+
+        block = (config.fp8.block_n, config.fp8.block_k) if config.fp8 is not None else fp8_block or WEIGHT_BLOCK
+        load_checkpoint(modules, Path(checkpoint), config, num_layers, block, tp)
+    for mod in modules.values():
+        for m in mod.modules():
+            if hasattr(m, "absorb"):
+                m.absorb()
+        mod.eval()
+    return model, mtp_layer

@@ -1,0 +1,88 @@
+"""`bench one-batch`: every shape is warmed up before it is timed (first-use cost never lands in a figure),
+the spread over repeats is reported, and the table fits the terminal in every layout."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+from rich.console import Console
+
+from dsctl.bench_one_batch import OneBatchResult, RunTimes, bench, percentile, summarize
+from dsctl.bench_one_batch_report import layouts
+from dsctl.tables import pick_fitting
+from engine.args import EngineArgs
+from tests.cli.screen import assert_fits, assert_no_empty_column
+
+FIRST_USE_S = 0.5  # what a shape's first forward costs here (stands for compilation / autotuning / capture)
+
+
+def test_each_shape_is_warmed_up_before_it_is_timed(monkeypatch, tmp_path):
+    """The first forward of every new shape (prefill: batch x tokens; decode: batch) is made slow, as
+    compilation is on a GPU; no reported figure may include it."""
+    from engine.runner import ModelRunner
+
+    seen, first_uses = set(), []
+    real_forward = ModelRunner.forward
+
+    def forward(self, fb):
+        key = (fb.mode, fb.batch_size, fb.num_tokens)
+        if key not in seen:
+            seen.add(key)
+            first_uses.append(key)
+            time.sleep(FIRST_USE_S)
+        return real_forward(self, fb)
+
+    monkeypatch.setattr(ModelRunner, "forward", forward)
+    out = tmp_path / "r.jsonl"
+    args = EngineArgs.of(model="tiny", device="cpu")
+    run = bench(args, [1, 3], [5, 9], [3], result_file=out, repeats=2)
+    assert len(first_uses) == 4 + 2  # 4 prefill shapes, 2 decode batch sizes: each slow exactly once
+    assert [(r.batch_size, r.input_len) for r in run.results] == [(1, 5), (3, 5), (1, 9), (3, 9)]
+    for r in run.results:
+        assert r.repeats == 2
+        assert r.prefill_latency_max_s < FIRST_USE_S, r
+        assert r.decode_latency_p90_s < FIRST_USE_S and r.total_latency_s < FIRST_USE_S, r
+        assert r.prefill_latency_min_s <= r.prefill_latency_s <= r.prefill_latency_max_s
+        assert r.decode_latency_p10_s <= r.median_decode_latency_s <= r.decode_latency_p90_s
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and rows[0]["model"] == "tiny" and rows[0]["device"] == "cpu"
+    assert {"prefill_latency_min_s", "prefill_latency_max_s", "decode_latency_p10_s", "decode_latency_p90_s"} <= \
+        set(rows[0])
+
+
+def test_summary_spread_is_over_repeats():
+    runs = [RunTimes(0.30, [0.010, 0.012]), RunTimes(0.10, [0.011, 0.020]), RunTimes(0.20, [0.013, 0.014])]
+    r = summarize(4, 100, 3, runs)
+    assert (r.prefill_latency_min_s, r.prefill_latency_s, r.prefill_latency_max_s) == (0.10, 0.20, 0.30)
+    steps = [0.010, 0.012, 0.011, 0.020, 0.013, 0.014]
+    assert r.median_decode_latency_s == pytest.approx(0.0125)
+    assert r.decode_latency_p10_s == pytest.approx(percentile(steps, 10))
+    assert r.decode_latency_p90_s == pytest.approx(percentile(steps, 90))
+    assert r.prefill_throughput_tok_s == pytest.approx(400 / 0.20)
+    assert r.median_decode_throughput_tok_s == pytest.approx(4 / 0.0125)
+    one = summarize(1, 8, 1, [RunTimes(0.1, [])])  # --output-len 1: no decode step
+    assert math.isnan(one.median_decode_latency_s)
+
+
+def _results(batch_sizes, input_lens, big: bool) -> list[OneBatchResult]:
+    prefill = 2.708 if big else 0.0123
+    return [summarize(bs, il, 32, [RunTimes(prefill * (1 + k / 10), [0.0123 * (1 + j / 50) for j in range(31)])
+                                   for k in range(3)]) for bs in batch_sizes for il in input_lens]
+
+
+@pytest.mark.parametrize("width", [200, 120, 100, 80, 60, 40])
+@pytest.mark.parametrize("lens", [[256], [256, 4096]], ids=["one-length", "several-lengths"])
+@pytest.mark.parametrize("big", [False, True], ids=["small-figures", "large-figures"])
+def test_table_fits_every_width(width, lens, big):
+    """The issue's case: several prompt lengths at 80 columns cut "overall" to "overa…"."""
+    console = Console(width=width, record=True, file=open("/dev/null", "w"))
+    table = pick_fitting(console, layouts(_results([1, 32, 128], lens, big), "deepseek-v3, 5 layers, cuda:0 bf16"))
+    console.print(table)
+    text = console.export_text()
+    assert_fits(text, width)
+    found = assert_no_empty_column(text)
+    if width >= 120:
+        assert "overall tok/s" in found[0]["headers"]  # room to spare: the figures get their own columns
