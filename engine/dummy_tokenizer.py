@@ -10,12 +10,9 @@ everything the files depend on, and written atomically: built once per machine
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from engine.cache import cache_root
+from engine.cache import build_once, cache_root
 from engine.config import ModelConfig
 
 FORMAT_VERSION = 1  # bump when the builder's output changes
@@ -30,20 +27,4 @@ def generated_tokenizer_dir(cfg: ModelConfig) -> Path:
     """The directory holding cfg's generated tokenizer (tokenizer.json + tokenizer_config.json), built on first use."""
     from engine.weights.tiny_tokenizer import write_tokenizer
 
-    target = cache_root() / "tokenizers" / cache_name(cfg)
-    if (target / ".complete").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=target.parent))
-    try:
-        write_tokenizer(tmp, cfg, pad=True)
-        (tmp / ".complete").write_text("ok\n")
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished first, or a stale incomplete copy is in the way
-            if not (target / ".complete").is_file():
-                shutil.rmtree(target, ignore_errors=True)
-                os.rename(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(cache_root() / "tokenizers" / cache_name(cfg), lambda tmp: write_tokenizer(tmp, cfg, pad=True))

@@ -105,7 +105,8 @@ class FlashInferAttentionBackend:
         self.graph_wrappers: dict[int, object] = {}
         self.graph_indices: Optional[torch.Tensor] = None  # page indices shared by all graph wrappers
         self.active = None  # the wrapper planned for the forward in flight
-        self.fallback = TritonAttentionBackend()  # extends FlashInfer's planner refuses
+        # extends FlashInfer's planner refuses; FlashInfer runs DeepSeek's head dims only (qk_nope 128, v 128)
+        self.fallback = TritonAttentionBackend(num_heads * (128 + rope_dim + 128) * q_dtype.itemsize)
         self._plan_copied = None  # CUDA event recorded after the last plan's host-to-device copy
         self.fast_replan = True  # False: every graph replay uses FlashInfer's public plan() (benchmarks compare)
         self._warned_fallback = False
@@ -149,6 +150,7 @@ class FlashInferAttentionBackend:
                 raise
             self._warn_fallback(e)
             self.active = None
+            self.fallback.begin_forward(fb, ctx)
             return
         self.active = wrapper
 

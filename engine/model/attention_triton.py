@@ -3,6 +3,13 @@
 - extend: the new tokens' k_nope / v come from kv_b_proj on their fresh latent; a
   cached prefix is read back from the latent cache and expanded the same way; the
   packed varlen kernel attends causally over new tokens and fully over the prefix.
+  Expanding a prefix costs heads x (qk + v) values per token (80 KB at 128 heads), so
+  the transient memory of a step is bounded (`plan_extend`, once per forward): a
+  request that adds at most ABSORB_MAX_EXTEND tokens to a cached prefix (a prefix-cache
+  hit, a retracted request resuming) attends in latent space like decode, one query
+  row per new token, nothing expanded; the other requests run in consecutive groups
+  whose expanded prefixes fit in PREFIX_EXPAND_BYTES (a lone request with a longer
+  prefix runs by itself).
 - decode: q_nope is absorbed into latent space (bmm with W_UK, or the FP8 bmm when
   the weights are FP8), the split-KV decode kernel reads the paged latent cache
   directly (bf16 or FP8 with a scale), and the latent output goes back through W_UV.
@@ -13,6 +20,9 @@ torch.compile (`torch.compiler.disable`): it compiles the code between them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 
@@ -39,32 +49,123 @@ def latent_to_values(layer: MLA, out_lat: torch.Tensor) -> torch.Tensor:
     return torch.bmm(out_lat.transpose(0, 1), layer.w_vc.transpose(1, 2)).transpose(0, 1)
 
 
+ABSORB_MAX_EXTEND = 16  # new tokens over a cached prefix up to which a request attends in latent space
+PREFIX_EXPAND_BYTES = 1 << 30  # expanded prefix K/V of one extend launch (a lone request may exceed it)
+
+
+@dataclass(frozen=True)
+class AbsorbedRun:
+    """Token rows [t0, t1) of requests that attend in latent space: each row is one query of the
+    decode kernel, reading its request's table row up to (and including) its own token."""
+    t0: int
+    t1: int
+    rows_req: torch.Tensor  # [t1 - t0] req->token table row of each query
+    rows_len: torch.Tensor  # [t1 - t0] tokens each query sees (prefix + its position + 1)
+
+
+@dataclass(frozen=True)
+class ExpandedRun:
+    """Consecutive requests [r0, r1) (token rows [t0, t1)) run by the packed extend kernel."""
+    t0: int
+    t1: int
+    r0: int
+    r1: int
+    prefix_slots: Optional[torch.Tensor]  # their cached prefixes' KV slots, concatenated (None: no prefix)
+    max_extend: int
+
+
+ExtendRun = Union[AbsorbedRun, ExpandedRun]
+
+
+def plan_extend(fb: ForwardBatch, table: torch.Tensor, prefix_token_budget: int) -> list[ExtendRun]:
+    """Split an extend batch into runs (see the module docstring), in token order."""
+    runs: list[ExtendRun] = []
+    t, r = 0, 0
+    n_reqs = len(fb.extend_lens_cpu)
+    rows = fb.req_pool_indices.tolist()
+    while r < n_reqs:
+        absorbed = _absorbs(fb, r)
+        r1, t1, prefix = r, t, 0
+        while r1 < n_reqs and _absorbs(fb, r1) == absorbed and (
+                absorbed or r1 == r or prefix + fb.prefix_lens_cpu[r1] <= prefix_token_budget):
+            prefix += fb.prefix_lens_cpu[r1]
+            t1 += fb.extend_lens_cpu[r1]
+            r1 += 1
+        runs.append(_absorbed_run(fb, rows, r, r1, t, t1) if absorbed else _expanded_run(fb, rows, table, r, r1, t, t1))
+        r, t = r1, t1
+    return runs
+
+
+def _absorbs(fb: ForwardBatch, i: int) -> bool:
+    return fb.prefix_lens_cpu[i] > 0 and fb.extend_lens_cpu[i] <= ABSORB_MAX_EXTEND
+
+
+def _absorbed_run(fb: ForwardBatch, rows: list[int], r0: int, r1: int, t0: int, t1: int) -> AbsorbedRun:
+    req, lens = [], []
+    for i in range(r0, r1):
+        n, p = fb.extend_lens_cpu[i], fb.prefix_lens_cpu[i]
+        req += [rows[i]] * n
+        lens += range(p + 1, p + n + 1)
+    dev = fb.req_pool_indices.device
+    return AbsorbedRun(t0, t1, torch.tensor(req, dtype=fb.req_pool_indices.dtype, device=dev),
+                       torch.tensor(lens, dtype=fb.seq_lens.dtype, device=dev))
+
+
+def _expanded_run(fb: ForwardBatch, rows: list[int], table: torch.Tensor, r0: int, r1: int,
+                  t0: int, t1: int) -> ExpandedRun:
+    parts = [table[rows[i], :fb.prefix_lens_cpu[i]] for i in range(r0, r1) if fb.prefix_lens_cpu[i]]
+    slots = torch.cat(parts).to(torch.int64) if parts else None
+    return ExpandedRun(t0, t1, r0, r1, slots, max(fb.extend_lens_cpu[r0:r1], default=0))
+
+
 class TritonAttentionBackend:
-    def __init__(self, num_kv_splits: int | None = None):
+    def __init__(self, prefix_token_bytes: int, num_kv_splits: int | None = None):
+        """prefix_token_bytes: what expanding one cached token costs (heads x (qk + v) x element size)."""
         self.num_kv_splits = num_kv_splits
+        self.prefix_token_budget = max(1, PREFIX_EXPAND_BYTES // prefix_token_bytes)
+        self.runs: list[ExtendRun] = []
 
     def begin_forward(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: int | None = None) -> None:
-        pass  # the kernels read lengths from device tensors: nothing to plan
+        """Extend batches: plan the runs once for every layer (decode reads lengths from device tensors)."""
+        self.runs = [] if fb.mode.is_decode else plan_extend(fb, ctx.req_to_token.table, self.prefix_token_budget)
 
     @torch.compiler.disable
     def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: ForwardContext):
+        out = q_nope.new_empty(q_nope.shape[0], layer.num_heads, layer.v_dim)
+        for run in self.runs:
+            if isinstance(run, AbsorbedRun):
+                out[run.t0:run.t1] = self._absorbed(layer, q_nope[run.t0:run.t1], q_pe[run.t0:run.t1], run, ctx)
+            else:
+                self._expanded(layer, q_nope, q_pe, c_kv, k_pe, fb, ctx, run, out[run.t0:run.t1])
+        return out
+
+    def _absorbed(self, layer: MLA, q_nope, q_pe, run: AbsorbedRun, ctx: ForwardContext) -> torch.Tensor:
+        from kernels.mla_decode import mla_decode
+
+        pool = ctx.kv_pool
+        out_lat = mla_decode(absorbed_query(layer, q_nope).contiguous(), q_pe.contiguous(),
+                             pool.buffer[layer.layer_id], ctx.req_to_token.table, run.rows_req, run.rows_len,
+                             layer.scale, num_kv_splits=self.num_kv_splits, kv_scale=pool.scale)
+        return latent_to_values(layer, out_lat.to(q_nope.dtype))
+
+    def _expanded(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: ForwardContext,
+                  run: ExpandedRun, out: torch.Tensor) -> None:
         from kernels.mla_extend import extend_attention
 
-        t, h = q_nope.shape[:2]
-        k_nope, v = layer.expand_latent(c_kv)
-        q = torch.cat((q_nope, q_pe), dim=-1)
-        k = torch.cat((k_nope, k_pe[:, None, :].expand(t, h, -1)), dim=-1)
-        kp, vp = self._prefix_kv(layer, fb, ctx, c_kv.dtype)
-        return extend_attention(q, k, v.contiguous(), kp, vp, fb.extend_lens, fb.prefix_lens, layer.scale,
-                                max_extend_len=max(fb.extend_lens_cpu, default=0))
+        sl = slice(run.t0, run.t1)
+        t, h = run.t1 - run.t0, layer.num_heads
+        k_nope, v = layer.expand_latent(c_kv[sl])
+        q = torch.cat((q_nope[sl], q_pe[sl]), dim=-1)
+        k = torch.cat((k_nope, k_pe[sl, None, :].expand(t, h, -1)), dim=-1)
+        kp, vp = self._prefix_kv(layer, run.prefix_slots, ctx, c_kv.dtype)
+        extend_attention(q, k, v.contiguous(), kp, vp, fb.extend_lens[run.r0:run.r1], fb.prefix_lens[run.r0:run.r1],
+                         layer.scale, max_extend_len=run.max_extend, out=out)
 
-    def _prefix_kv(self, layer: MLA, fb: ForwardBatch, ctx: ForwardContext, dtype):
+    def _prefix_kv(self, layer: MLA, slots: Optional[torch.Tensor], ctx: ForwardContext, dtype):
         h, dqk = layer.num_heads, layer.nope + layer.rope_dim
-        if not any(fb.prefix_lens_cpu):
+        if slots is None:
             empty = torch.empty(0, h, dqk, dtype=dtype, device=ctx.kv_pool.buffer.device)
             return empty, empty[..., : layer.v_dim]
-        slots = torch.cat([ctx.req_to_token.slots(int(r), p)
-                           for r, p in zip(fb.req_pool_indices.tolist(), fb.prefix_lens_cpu)])
         cached = ctx.kv_pool.read(layer.layer_id, slots, dtype)
         k_nope, v = layer.expand_latent(cached[:, : layer.kv_lora_rank])
         k_pe = cached[:, None, layer.kv_lora_rank:].expand(-1, h, -1)

@@ -128,7 +128,9 @@ def torch_attention(setup: BackendSetup, kv_pool: KVPool, req_to_token: ReqToTok
 def triton_attention(setup: BackendSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool):
     from engine.model.attention_triton import TritonAttentionBackend
 
-    return TritonAttentionBackend()
+    cfg = setup.config
+    per_token = setup.local_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    return TritonAttentionBackend(per_token * setup.dtype.itemsize)
 
 
 def flashinfer_attention(setup: BackendSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool):

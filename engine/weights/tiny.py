@@ -13,16 +13,13 @@ docs/parallelism.md, "FP8 blocks"); `tiny-fp8` at TP 2 / 4 does not.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from engine.cache import cache_root
+from engine.cache import build_once, cache_root
 from engine.config import ModelConfig, parse_config
 from engine.weights.tiny_tokenizer import write_tokenizer
 from kernels.fp8_math import quantize_block_fp8
@@ -127,24 +124,11 @@ def write_checkpoint(directory: Path, config: dict, sd: dict[str, torch.Tensor],
 
 def materialize(alias: str, config: dict) -> Path:
     """Path of the built-in checkpoint `alias`, writing it on first use (atomically)."""
-    target = cache_root() / "models" / f"{alias}-v{FORMAT_VERSION}"
-    if (target / ".complete").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{alias}-", dir=target.parent))
-    try:
+    def write(tmp: Path) -> None:
         cfg = parse_config(config)
         sd = hf_state_dict(cfg)
         sd = quantize_state_dict(sd) if cfg.fp8 else {k: v.to(torch.bfloat16) for k, v in sd.items()}
         write_checkpoint(tmp, config, sd)
         write_tokenizer(tmp, cfg)
-        (tmp / ".complete").write_text("ok\n")
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished first, or a stale incomplete copy is in the way
-            if not (target / ".complete").is_file():
-                shutil.rmtree(target, ignore_errors=True)
-                os.rename(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return build_once(cache_root() / "models" / f"{alias}-v{FORMAT_VERSION}", write)

@@ -158,7 +158,8 @@ def test_layer_decode_and_extend_at_v3_shapes(heads, kv_dtype):
     cfg, layer, pool, table, perm = _v3_layer_setup(heads, kv_dtype)
     fi = FlashInferAttentionBackend(heads, 512, 64, layer.scale, torch.bfloat16, kv_dtype, pool.scale,
                                     torch.device("cuda"), table.table.shape[1])
-    backends = {"torch": TorchAttentionBackend(), "triton": TritonAttentionBackend(), "flashinfer": fi}
+    backends = {"torch": TorchAttentionBackend(), "triton": TritonAttentionBackend(heads * 320 * 2),
+                "flashinfer": fi}
     g = torch.Generator(device="cuda").manual_seed(1)
     cases = {"decode": _batch(ForwardMode.DECODE, table, perm, [4000, 17, 1023, 2500, 1], [1] * 5),
              "extend": _batch(ForwardMode.EXTEND, table, perm, [0, 300, 2000], [77, 128, 9])}

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# dsctl serve on one GPU under rising load, measured with dsctl bench serving (random prompts of exactly
+# IN tokens, exactly OUT output tokens), one server for the whole sweep. After each level it reads
+# /metrics: KV free plus what the prefix cache holds (evictable) must be back to the pool size (no leak),
+# no request left running, and the engine must still be up. Prompts repeat across levels (same seed):
+# later levels hit the prefix cache, as shared system prompts do.
+# Writes $OUT/<tag>-serve.log, $OUT/<tag>.jsonl (one bench record per level) and prints a table.
+#   TAG=v3 MODEL=deepseek-v3 LAYERS=5 CONCS="1 8 32 128 256 512 1024" bash benchmarks/serve_sweep.sh
+#   TAG=v3 ... TREE=.peer/before bash benchmarks/serve_sweep.sh   (the server from another checkout)
+set -u
+OUT=${OUT:-$PWD/serve-out}; TAG=${TAG:-sweep}; MODEL=${MODEL:-deepseek-v3}; LAYERS=${LAYERS:-5}
+CONCS=${CONCS:-"1 8 32 128 256 512 1024"}; IN=${IN:-1024}; OUTLEN=${OUTLEN:-256}; PORT=${PORT:-30555}
+TREE=${TREE:-.}; EXTRA=${EXTRA:-}
+mkdir -p "$OUT"
+layers=(); [ "$LAYERS" != full ] && layers=(--num-layers "$LAYERS")
+start=$(date +%s.%N)
+# shellcheck disable=SC2086
+(cd "$TREE" && exec python3 -m dsctl serve --model "$MODEL" --load-format dummy "${layers[@]}" --port "$PORT" \
+    --max-model-len 4096 $EXTRA) > "$OUT/$TAG-serve.log" 2>&1 &
+pid=$!
+for _ in $(seq 300); do
+    curl -sf "127.0.0.1:$PORT/health" >/dev/null && break
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.5
+done
+curl -sf "127.0.0.1:$PORT/health" >/dev/null || { echo "$TAG: server not healthy"; tail -30 "$OUT/$TAG-serve.log"; kill $pid; exit 1; }
+echo "$TAG: healthy after $(python3 -c "import time; print(round(time.time() - $start, 1))") s"
+kv() { curl -sf "127.0.0.1:$PORT/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
+for c in $CONCS; do
+    n=$(( c < 8 ? 8 : (c < 128 ? 2 * c : c) ))
+    python3 -m dsctl bench serving --base-url "http://127.0.0.1:$PORT" --num-prompts "$n" --max-concurrency "$c" \
+        --random-input-len "$IN" --random-output-len "$OUTLEN" --result-file "$OUT/$TAG.jsonl" > "$OUT/$TAG-c$c.txt" 2>&1
+    rc=$?
+    sleep 1
+    alive=yes; kill -0 $pid 2>/dev/null || alive=NO
+    echo "$TAG c=$c n=$n bench_rc=$rc engine_alive=$alive kv_free=$(kv dsctl_kv_cache_free_tokens)+cached=$(kv dsctl_prefix_cache_tokens)/$(kv dsctl_kv_cache_total_tokens) running=$(kv dsctl_num_requests_running) retracted=$(kv dsctl_retracted_requests_total)"
+    [ $alive = yes ] || { tail -40 "$OUT/$TAG-serve.log"; break; }
+done
+kill -TERM $pid; wait $pid; echo "$TAG server exit $?"
+grep -E "start-up|startup|phase|weights|KV|graph" "$OUT/$TAG-serve.log" | head -12
+python3 - "$OUT/$TAG.jsonl" "$TAG" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+f = lambda r: r["flags"]
+print(f"\n{sys.argv[2]}: random {f(rows[0])['random_input_len']} in / {f(rows[0])['random_output_len']} out" if rows else "no rows")
+print(f"{'conc':>5} {'ok':>5} {'fail':>4} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>8}")
+for r in rows:
+    s = lambda k, q: (r.get(k) or {}).get(q, float('nan'))
+    print(f"{f(r)['max_concurrency']:>5} {r['completed']:>5} {r['failed']:>4} {r['output_throughput']:9.0f} "
+          f"{s('ttft_ms','median'):9.1f} {s('ttft_ms','p99'):9.1f} {s('itl_ms','median'):8.2f} {s('itl_ms','p99'):8.2f} {s('tpot_ms','median'):8.2f}")
+PY
