@@ -231,7 +231,9 @@ def _announce(command: str, opts: TuneFlags, cfg, extra: str = "") -> None:
 @with_options(TuneFlags)
 def tune_moe(
     opts: TuneFlags,
-    ep: int = typer.Option(1, "--ep", help="Expert-parallel size (divides --tp; E = experts / ep)."),
+    ep: int = typer.Option(1, "--ep", "--ep-size",
+                           help="Expert-parallel size (divides --tp; E = experts / ep: the file the engine's "
+                                "--ep-size = --tp reads is tuned with --ep equal to --tp)."),
     dtype: Optional[str] = typer.Option(None, "--dtype",
                                         help="Expert weights: fp8_w8a8 or bf16 (default: the checkpoint's)."),
 ) -> None:

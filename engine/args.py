@@ -4,8 +4,7 @@ Each group is a plain dataclass whose fields carry their CLI metadata (help text
 allowed values, aliases): `ModelArgs` (what to load and how), `CacheArgs` (the KV
 pool and the prefix cache), `SchedulerArgs` (what runs each step), `KernelArgs`
 (attention / MoE backends, CUDA graphs, torch.compile, tuned configs),
-`ParallelArgs` (one process per GPU: TP, multi-node; DP attention and EP flags are
-defined and rejected until they land) and `ServerArgs` (HTTP). `EngineArgs` holds one
+`ParallelArgs` (one process per GPU: TP, DP attention, EP, multi-node) and `ServerArgs` (HTTP). `EngineArgs` holds one
 of each; a layer receives only its group (the scheduler gets `args.scheduler`, the
 server `args.server`, ...).
 
@@ -237,11 +236,19 @@ class ParallelArgs:
 
     tp_size: int = flag(1, "Tensor-parallel size: GPU ranks that split every layer (heads, MLP/MoE intermediate, "
                            "vocab).", aliases=("--tp",))
-    dp_size: int = flag(1, "Data-parallel attention groups (with --enable-dp-attention).", aliases=("--dp",))
+    dp_size: int = flag(1, "Data-parallel attention groups (with --enable-dp-attention; must divide --tp; default "
+                           "--tp). Each group of --tp / --dp ranks runs attention TP-split on its own requests.",
+                        aliases=("--dp",))
     enable_dp_attention: bool = flag(
         False, "DP attention: each DP rank keeps its own KV cache and batch; MoE layers gather every rank's tokens.",
     )
-    ep_size: int = flag(1, "Expert-parallel size: ranks that split the routed experts.", aliases=("--ep",))
+    load_balance_method: str = flag(
+        "round_robin", "DP attention: how new requests are spread over the DP groups: 'round_robin', or "
+        "'shortest_queue' (the group with the fewest running + waiting requests).",
+        choices=("round_robin", "shortest_queue"),
+    )
+    ep_size: int = flag(1, "Expert-parallel size: ranks that split the routed experts (must equal --tp).",
+                        aliases=("--ep",))
     enable_ep_moe: bool = flag(False, "Expert parallel MoE over all TP ranks (same as --ep-size equal to --tp).")
     nnodes: int = flag(1, "Nodes in the job; node 0 serves HTTP, the others run engine ranks only.")
     node_rank: int = flag(0, "This node's index, 0..--nnodes-1.")
@@ -258,13 +265,18 @@ class ParallelArgs:
         from engine.distributed.parallel_config import ParallelConfig
 
         ep = self.tp_size if self.enable_ep_moe and self.ep_size == 1 else self.ep_size
-        return ParallelConfig(tp_size=self.tp_size, dp_size=self.dp_size, enable_dp_attention=self.enable_dp_attention,
+        dp = self.tp_size if self.enable_dp_attention and self.dp_size == 1 else self.dp_size
+        return ParallelConfig(tp_size=self.tp_size, dp_size=dp, enable_dp_attention=self.enable_dp_attention,
                               ep_size=ep, nnodes=self.nnodes, node_rank=self.node_rank,
                               dist_init_addr=self.dist_init_addr, base_gpu_id=self.base_gpu_id,
                               dist_timeout=self.dist_timeout)
 
     def validate(self, device: str = "auto") -> None:
+        _check_choices(self)
         self.config().validate(device_type="cuda" if device == "cuda" else "cpu")
+        if self.load_balance_method != "round_robin" and not self.enable_dp_attention:
+            raise UsageError(f"--load-balance-method {self.load_balance_method} spreads requests over DP attention "
+                             "groups: add --enable-dp-attention --dp N, or drop it")
 
 
 @dataclass

@@ -63,30 +63,39 @@ def check_launch(args: EngineArgs, resolved: Optional[ResolvedModel] = None) -> 
     args.validate()
     resolved = resolved or resolve_model(args.model)
     device = pick_device(args.model.device)
-    pc = args.parallel.config()
     gpus = torch.cuda.device_count() if device.type == "cuda" else None
+    pc = dp_attention_span(args, device.type, gpus).parallel.config()
     pc.validate(device.type, gpus)
-    _check_dp_attention_span(pc, device.type, gpus)
+    if pc.dp_size > 1 or pc.ep_size > 1:
+        log.info("layout: --tp %d, %d DP attention group(s) of %d rank(s), experts %s", pc.tp_size, pc.dp_size,
+                 pc.attn_tp_size, f"split whole over {pc.ep_size} EP ranks" if pc.ep_size > 1 else "TP-split")
     cfg = resolved.config
     if args.model.num_layers:
         cfg = cfg.with_num_layers(args.model.num_layers)
     block = fp8_kept(args, resolved, device.type)
     if pc.tp_size > 1:
-        check_model_divisible(cfg, pc.tp_size, block)
+        check_model_divisible(cfg, pc.tp_size, block, ep_size=pc.ep_size, attn_tp_size=pc.attn_tp_size)
+    if pc.dp_size > 1 and device.type == "cuda" and not args.kernels.disable_cuda_graph:
+        raise UsageError("--enable-dp-attention does not capture CUDA graphs yet (every DP group would have to "
+                         "replay the padded global batch in step): add --disable-cuda-graph")
     if device.type == "cuda":
         _check_fits(args, cfg, block, pc, torch.cuda.get_device_properties(pc.gpu_id(0)).total_memory)
     return resolved
 
 
-def _check_dp_attention_span(pc, device_type: str, gpus: Optional[int]) -> None:
-    """`--enable-dp-attention` alone spans every visible GPU (tp = dp = GPU count), as SGLang's does."""
-    if not pc.enable_dp_attention:
-        return
+def dp_attention_span(args: EngineArgs, device_type: str, gpus: Optional[int]) -> EngineArgs:
+    """`--enable-dp-attention` with no --tp / --dp spans every visible GPU (tp = dp = GPU count), as
+    SGLang's does; on one GPU or on CPU that is one rank, which is plain attention (said at start-up)."""
+    p = args.parallel
+    if not p.enable_dp_attention or p.tp_size != 1 or p.dp_size != 1:
+        return args
     if (gpus or 1) > 1:
-        raise UsageError(f"--enable-dp-attention with no --tp spans every visible GPU ({gpus} here), and DP "
-                         f"attention across GPUs arrives with Parallelism II: use --tp {gpus} for now")
+        log.warning("--enable-dp-attention with no --tp: spanning the %d visible GPUs (--tp %d --dp %d)",
+                    gpus, gpus, gpus)
+        return args.replace(tp_size=gpus, dp_size=gpus)
     log.warning("--enable-dp-attention on %s: one rank, so DP attention is the same as plain attention",
                 "one GPU" if device_type == "cuda" else "CPU")
+    return args
 
 
 def _check_fits(args: EngineArgs, cfg, block, pc, gpu_bytes: int) -> None:
@@ -95,12 +104,25 @@ def _check_fits(args: EngineArgs, cfg, block, pc, gpu_bytes: int) -> None:
     kv_bytes = 1 if args.cache.kv_cache_dtype != "auto" else 2
     dtype_bytes = 4 if args.model.dtype == "float32" else 2
     layout = Layout(pc.tp_size, gpu_bytes, args.cache.mem_fraction_static, dtype_bytes, block, kv_bytes,
-                    include_mtp=bool(cfg.num_nextn_predict_layers), gpus_per_node=max(1, pc.ranks_per_node))
+                    include_mtp=bool(cfg.num_nextn_predict_layers), gpus_per_node=max(1, pc.ranks_per_node),
+                    attn_tp_size=pc.attn_tp_size, ep_size=pc.ep_size)
     check_fits(cfg, layout, min_kv_tokens=1024, name=args.model.model)
+
+
+def launch_args(args: EngineArgs) -> EngineArgs:
+    """The flags the ranks start with: `--enable-dp-attention` alone becomes --tp = --dp = visible GPUs."""
+    import torch
+
+    from engine.runner import pick_device
+
+    device = pick_device(args.model.device)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else None
+    return dp_attention_span(args, device.type, gpus)
 
 
 def open_engine(args: EngineArgs):
     """An Engine (one process) or a RankedEngine (--tp > 1), checked before any weight is read."""
+    args = launch_args(args)
     resolved = check_launch(args)
     if args.parallel.config().world_size == 1:
         from engine.engine import Engine
@@ -118,6 +140,7 @@ class RankedEngine:
         from engine.server.protocol import EngineInfo
         from engine.tokenizer import load_tokenizer
 
+        args = launch_args(args)
         resolved = check_launch(args, resolved)
         pc = args.parallel.config()
         if pc.nnodes > 1:
@@ -172,8 +195,10 @@ class RankedEngine:
         prompts: Union[str, Sequence[str], None] = None,
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         input_ids: Optional[Sequence[Sequence[int]]] = None,
+        dp_rank: Optional[int] = None,
     ):
-        """Same contract as Engine.generate: outputs in input order."""
+        """Same contract as Engine.generate: outputs in input order. `dp_rank` (DP attention): send every
+        request to that DP group instead of letting the controller spread them."""
         from engine.engine import build_output, per_prompt, prompt_token_lists
         from engine.scheduler.output import CollectedOutput
         from engine.server.protocol import AddFailed, AddRequest, StepOutputs
@@ -182,7 +207,7 @@ class RankedEngine:
         params = per_prompt(sampling_params, len(token_lists))
         rids = [f"g{next(self._ids)}" for _ in token_lists]
         for rid, ids, p in zip(rids, token_lists, params):
-            self._to.send(AddRequest(rid, ids, p.validate()))
+            self._to.send(AddRequest(rid, ids, p.validate(), dp_rank=dp_rank))
         collected = {rid: CollectedOutput() for rid in rids}
         left = set(rids)
         while left:

@@ -12,6 +12,8 @@ kernels/tuned_configs.py.
 from __future__ import annotations
 
 import logging
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,7 +23,7 @@ from engine.args import EngineArgs
 from engine.distributed.comm import all_reduce_min_int, broadcast_tensor
 from engine.distributed.groups import ParallelState, single_process
 from engine.errors import UsageError
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.pools import KVPool, ReqToTokenPool
 from engine.model.backends import ATTENTION_BACKENDS, MOE_BACKENDS, BackendSetup
 from engine.model.context import ForwardContext
@@ -42,6 +44,13 @@ DEFAULT_CPU_KV_TOKENS = 32768
 class ForwardOutput:
     logits: torch.Tensor  # [N, vocab] float32, rows = fb.logits_indices
     hidden: torch.Tensor  # [T, hidden] pre-norm hidden states of every token (MTP input)
+
+
+@contextmanager
+def _timed(into: dict[str, float], name: str):
+    start = time.perf_counter()
+    yield
+    into[name] = time.perf_counter() - start
 
 
 def pick_device(name: str) -> torch.device:
@@ -77,13 +86,31 @@ class ModelRunner:
         self.max_model_len = min(args.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.setup = BackendSetup(self.config, self.device, self.dtype, self._kv_dtype(),
                                   tuple(self._graph_batch_sizes()), interpreting(),
-                                  tp_size=self.parallel.tp.size)
+                                  tp_size=self.parallel.tp.attention.size)
         self.attention_backend, self.moe_backend = self._pick_backends()
-        self._build_model()
-        self._init_memory()
+        phases = {}
+        with _timed(phases, "weights"):
+            self._build_model()
+        with _timed(phases, "KV pool"):
+            self._init_memory()
         self.graphs = None
+        self.forwards = 0  # forwards run (real or idle): DP attention's step loop checks one ran per step
         if self.setup.cuda_graphs:
-            self._capture_cuda_graphs()
+            with _timed(phases, "CUDA graphs"):
+                self._capture_cuda_graphs()
+        self._report(phases)
+
+    def _report(self, phases: dict[str, float]) -> None:
+        """One start-up line per rank: its weight and KV bytes, KV tokens, and how long each phase took."""
+        from engine.weights.loader import iter_params
+
+        modules = {"": self.model, **({"mtp.": self.mtp} if self.mtp is not None else {})}
+        unique = {p.data_ptr(): p for _, p in iter_params(modules)}  # the MTP layer may share embed / head
+        weights = sum(p.numel() * p.element_size() for p in unique.values())
+        kv = self.kv_pool.buffer.numel() * self.kv_pool.buffer.element_size()
+        log.info("rank %d: weights %.2f GB, KV pool %d tokens (%.2f GB); start-up %s", self.parallel.world_rank,
+                 weights / 1e9, self.kv_pool.size, kv / 1e9,
+                 ", ".join(f"{name} {secs:.1f} s" for name, secs in phases.items()))
 
     def _pick_backends(self) -> tuple[str, str]:
         """Backend names ('auto' resolved) after their start-up checks, which reject what cannot run here."""
@@ -132,7 +159,8 @@ class ModelRunner:
         kv_dtype = self.setup.kv_dtype
         self.req_to_token = ReqToTokenPool(self.max_running_requests, self.max_model_len + 1, self.device)
         size = self.args.cache.max_total_tokens or self._default_kv_tokens(cache_layers, kv_dtype)
-        size = all_reduce_min_int(size, self.parallel.tp)  # every TP rank holds the same token slots
+        # every rank of a TP (or DP-attention) group holds the same token slots; DP groups have their own pools
+        size = all_reduce_min_int(size, self.parallel.tp.attention)
         self.kv_pool = KVPool(cache_layers, size, cfg.kv_cache_dim, kv_dtype, self.device)
         rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, self.max_model_len + 1, self.device)
         attention = ATTENTION_BACKENDS.build(self.attention_backend, self.setup, self.kv_pool, self.req_to_token)
@@ -173,8 +201,32 @@ class ModelRunner:
         hidden = self.model.hidden_states(fb, self.forward_ctx)
         return self.model.logits(hidden[fb.logits_indices]), hidden
 
+    @property
+    def dp_attention(self) -> bool:
+        return self.parallel.tp.dp_size > 1
+
+    def _agree_dp(self, tokens: int) -> None:
+        """DP attention: exchange this forward's token counts with every DP group (a no-op otherwise)."""
+        self.forwards += 1
+        if self.dp_attention:
+            from engine.distributed.dp_attention import exchange_counts
+
+            self.forward_ctx.dp = exchange_counts(tokens, self.parallel.tp)
+
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """DP attention: this group has nothing to run while another may: join the token-count exchange
+        with 0 tokens and, if any group runs, every layer's gather / MLP / scatter with no tokens."""
+        self._agree_dp(0)
+        if self.forward_ctx.dp is None or self.forward_ctx.dp.total == 0:
+            return
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        fb = ForwardBatch.build(ForwardMode.IDLE, [], [], [], [], empty, [], self.device)
+        self.model.hidden_states(fb, self.forward_ctx)
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
+        self._agree_dp(fb.num_tokens)
         if self.graphs is not None and self.graphs.can_run(fb):
             logits, hidden = self.graphs.replay(fb)
         else:
@@ -183,13 +235,15 @@ class ModelRunner:
         return ForwardOutput(logits=logits, hidden=hidden)
 
     def share_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Make every TP rank hold TP rank 0's sampled token ids (in place; nothing to do in one process)."""
-        return broadcast_tensor(tokens, 0, self.parallel.tp)
+        """Make every rank of the TP (DP attention: attention) group hold its rank 0's sampled token ids
+        (in place; nothing to do in one process)."""
+        return broadcast_tensor(tokens, 0, self.parallel.tp.attention)
 
     @torch.inference_mode()
     def forward_mtp(self, fb: ForwardBatch) -> ForwardOutput:
         if self.mtp is None:
             raise UsageError("this checkpoint has no MTP/NextN layer (num_nextn_predict_layers = 0)")
+        self._agree_dp(fb.num_tokens)
         self.forward_ctx.begin_forward(fb)
         hidden = self.mtp(fb, self.forward_ctx)
         return ForwardOutput(logits=self.mtp.logits(hidden[fb.logits_indices]), hidden=hidden)

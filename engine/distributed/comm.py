@@ -4,10 +4,15 @@ Tensor collectives (device group: NCCL on CUDA, gloo on CPU):
 - `all_reduce(x, group)`: sum in place (o_proj, MLP down, MoE output, vocab-parallel embedding);
 - `all_gather_last_dim(x, group)`: concatenate along the last dim in rank order (vocab-parallel
   logits: rank r holds vocab rows [r * V / tp, (r + 1) * V / tp));
+- `all_gather_rows(x, group)`: stack every rank's equally shaped x along dim 0, rank order (DP
+  attention gathers the padded hidden states of every DP group before an MLP);
 - `broadcast_tensor(x, src, group)`: in place from group rank `src` (e.g. sampled token ids).
 Host-side collectives (the gloo `cpu_group`):
 - `broadcast_object(obj, src, group)`: a picklable object (scheduler messages);
 - `all_reduce_min_int(value, group)`: agree on the smallest int (the KV pool size every rank can hold);
+- `all_reduce_max_int(value, group)`: the largest int (DP attention: "does any rank have work");
+- `all_gather_ints(value, group)`: every rank's int, rank order (DP attention: tokens per forward);
+- `gather_objects(obj, group)`: every rank's picklable object on group rank 0 (None elsewhere);
 - `barrier(group)`.
 
 Every function returns at once at group size 1, touching no torch.distributed state, so the
@@ -30,7 +35,7 @@ relying on it, and fall back to marking the caller `torch.compiler.disable`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -60,6 +65,19 @@ def all_gather_last_dim(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     gather(out, x, group=group.device_group)
     out = out.view(group.size, *x.shape)
     return out.movedim(0, -2).reshape(*x.shape[:-1], group.size * x.shape[-1])
+
+
+def all_gather_rows(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """[T, ...] on every rank (same shape) -> [size * T, ...], rank r's rows at [r * T, (r + 1) * T)."""
+    if group.size == 1:
+        return x
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group.device_group)
+    return out
 
 
 def broadcast_tensor(x: torch.Tensor, src: int, group: TPGroup) -> torch.Tensor:
@@ -92,6 +110,39 @@ def all_reduce_min_int(value: int, group: TPGroup) -> int:
     t = torch.tensor([int(value)], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.cpu_group)
     return int(t[0])
+
+
+def all_reduce_max_int(value: int, group: TPGroup) -> int:
+    """The largest `value` over the group (host side)."""
+    if group.size == 1:
+        return int(value)
+    import torch.distributed as dist
+
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.cpu_group)
+    return int(t[0])
+
+
+def all_gather_ints(value: int, group: TPGroup) -> list[int]:
+    """Every rank's `value`, in group-rank order (host side)."""
+    if group.size == 1:
+        return [int(value)]
+    import torch.distributed as dist
+
+    parts = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
+    dist.all_gather(parts, torch.tensor([int(value)], dtype=torch.int64), group=group.cpu_group)
+    return [int(p[0]) for p in parts]
+
+
+def gather_objects(obj: Any, group: TPGroup) -> Optional[list]:
+    """Every rank's picklable `obj` (rank order) on group rank 0; None on the other ranks."""
+    if group.size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    box = [None] * group.size if group.rank == 0 else None
+    dist.gather_object(obj, box, dst=group.world_rank(0), group=group.cpu_group)
+    return box
 
 
 def barrier(group: TPGroup) -> None:

@@ -35,13 +35,23 @@ class DistInitError(DsctlError):
 
 @dataclass
 class TPGroup:
-    """One tensor-parallel group as seen by one of its ranks."""
+    """One tensor-parallel group as seen by one of its ranks.
+
+    The model's group (the world) also says how the other layouts cut it: `ep_size` ranks split the
+    routed experts (1, or the group size: each rank owns experts / size whole experts), and with DP
+    attention `attn` is this rank's attention-TP group, one of `dp_size` groups of size / dp_size
+    consecutive ranks (`dp_rank` = which), running attention, embedding and lm_head on its own tokens
+    while the dense MLPs and the MoE stay split over the whole group."""
 
     rank: int  # rank inside the group, 0..size-1
     size: int
     ranks: tuple[int, ...]  # world ranks of the members, in group-rank order
     device_group: Any = None  # torch ProcessGroup for tensors (None when size == 1)
     cpu_group: Any = None  # gloo ProcessGroup for host objects (None when size == 1)
+    ep_size: int = 1  # ranks that split the routed experts by whole experts (1: split by intermediate size)
+    attn: Optional["TPGroup"] = None  # DP attention: this rank's attention-TP group (None: this group)
+    dp_size: int = 1  # DP attention groups in this group
+    dp_rank: int = 0  # this rank's DP group
 
     @property
     def is_first(self) -> bool:
@@ -49,6 +59,16 @@ class TPGroup:
 
     def world_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]
+
+    @property
+    def attention(self) -> "TPGroup":
+        """The group attention, embedding and lm_head are split over (this group unless DP attention)."""
+        return self.attn if self.attn is not None else self
+
+    @property
+    def ep_rank(self) -> int:
+        """Which block of n_routed_experts / ep_size experts this rank owns (0 without EP)."""
+        return self.rank if self.ep_size > 1 else 0
 
 
 @dataclass
@@ -80,6 +100,23 @@ def single_process(device: torch.device | str = "cpu") -> ParallelState:
                          tp=TPGroup(rank=0, size=1, ranks=(0,)))
 
 
+def _attention_group(rank: int, world: int, dp: int, timeout: timedelta) -> TPGroup:
+    """This rank's attention-TP group under DP attention: world / dp consecutive ranks. Every rank
+    creates every group's process groups, in the same order (torch.distributed requires it)."""
+    import torch.distributed as dist
+
+    size = world // dp
+    mine = None
+    for g in range(dp):
+        members = list(range(g * size, (g + 1) * size))
+        groups = (dist.new_group(members, timeout=timeout), dist.new_group(members, backend="gloo", timeout=timeout)) \
+            if size > 1 else (None, None)
+        if rank in members:
+            mine = TPGroup(rank=rank - g * size, size=size, ranks=tuple(members), device_group=groups[0],
+                           cpu_group=groups[1])
+    return mine
+
+
 def init_parallel(config: ParallelConfig, local_rank: int, device_type: str = "cpu") -> ParallelState:
     """Join the world as this node's `local_rank` and build the TP group (all world ranks, for now)."""
     import torch.distributed as dist
@@ -105,7 +142,10 @@ def init_parallel(config: ParallelConfig, local_rank: int, device_type: str = "c
     ranks = tuple(range(world))
     device_group = dist.group.WORLD
     cpu_group = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
-    tp = TPGroup(rank=rank, size=world, ranks=ranks, device_group=device_group, cpu_group=cpu_group)
+    dp = config.dp_size if config.enable_dp_attention else 1
+    attn = _attention_group(rank, world, dp, timeout) if dp > 1 else None
+    tp = TPGroup(rank=rank, size=world, ranks=ranks, device_group=device_group, cpu_group=cpu_group,
+                 ep_size=config.ep_size, attn=attn, dp_size=dp, dp_rank=rank // (world // dp))
     state = ParallelState(world_rank=rank, world_size=world, local_rank=local_rank, device=device, tp=tp,
                           backend=backend, owns_world=True)
     warm = torch.ones(1, device=device)

@@ -117,24 +117,25 @@ class ParallelConfig:
                     f"(GPUs {self.base_gpu_id}..{need - 1}) but {visible_gpus} GPU(s) are visible: "
                     f"use --tp {max(1, visible_gpus - self.base_gpu_id) * self.nnodes} or more nodes (--nnodes)")
 
+    @property
+    def attn_tp_size(self) -> int:
+        """Ranks that split one DP group's attention: tp / dp with DP attention, else tp."""
+        return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
+
     def _validate_dp_ep(self) -> None:
         if self.enable_dp_attention and self.tp_size == 1 and self.dp_size == 1:
-            return  # one rank: DP attention over one GPU is plain attention (check_launch says so)
-        if self.enable_dp_attention:
-            if self.dp_size < 2 or self.tp_size % self.dp_size:
-                raise UsageError(f"--enable-dp-attention needs --dp-size >= 2 dividing --tp {self.tp_size} "
-                                 f"(got --dp-size {self.dp_size})")
-            raise UsageError("--enable-dp-attention arrives with DP attention (Parallelism II); "
-                             "use --tp alone for now")
-        if self.dp_size > 1:
-            raise UsageError(f"--dp-size {self.dp_size} arrives with DP attention (Parallelism II); "
-                             "use --tp alone for now")
-        if self.ep_size > 1:
-            if self.ep_size != self.tp_size:
-                raise UsageError(f"--ep-size {self.ep_size} must equal --tp {self.tp_size} (experts are spread "
-                                 "over the TP ranks)")
-            raise UsageError("--ep-size / --enable-ep-moe arrive with expert parallelism (Parallelism II); "
-                             "use --tp alone for now")
+            pass  # one rank: DP attention over one GPU is plain attention (check_launch says so)
+        elif self.enable_dp_attention:
+            if self.dp_size < 1 or self.dp_size > self.tp_size or self.tp_size % self.dp_size:
+                raise UsageError(f"--enable-dp-attention needs --dp-size dividing --tp {self.tp_size} "
+                                 f"(got --dp-size {self.dp_size}): e.g. --dp {self.tp_size}")
+        elif self.dp_size > 1:
+            raise UsageError(f"--dp-size {self.dp_size} splits attention into DP groups and needs "
+                             "--enable-dp-attention (replicated whole engines are not supported: run one server "
+                             "per group instead)")
+        if self.ep_size > 1 and self.ep_size != self.tp_size:
+            raise UsageError(f"--ep-size {self.ep_size} must equal --tp {self.tp_size}: every TP rank owns "
+                             "n_routed_experts / tp whole experts (or use --enable-ep-moe)")
 
 
 def parse_host_port(addr: str) -> tuple[str, int]:
@@ -160,26 +161,39 @@ class SplitDim:
     whole_blocks: bool = False  # FP8 slices must be whole blocks (routed-expert w13)
 
 
-def split_dims(cfg: ModelConfig, fp8_block: Optional[tuple[int, int]] = None) -> list[SplitDim]:
+def attention_dims(cfg: ModelConfig, bn: Optional[int] = None, bk: Optional[int] = None) -> list[SplitDim]:
+    """The dimensions the attention TP split cuts (heads, vocab, q / kv_b rows, o_proj columns); bn / bk:
+    the FP8 checkpoint block along rows / columns (None: not FP8 or dequantised)."""
+    heads = cfg.num_attention_heads
+    q = "q_b_proj" if cfg.q_lora_rank else "q_proj"
+    return [SplitDim("num_attention_heads (MLA is split by heads)", heads),
+            SplitDim("vocab_size (embed_tokens / lm_head rows; vocab padding is not implemented)", cfg.vocab_size),
+            SplitDim(f"self_attn.{q} rows (heads x {cfg.qk_head_dim})", heads * cfg.qk_head_dim, bn),
+            SplitDim(f"self_attn.kv_b_proj rows (heads x {cfg.qk_nope_head_dim + cfg.v_head_dim})",
+                     heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bn),
+            SplitDim(f"self_attn.o_proj columns (heads x {cfg.v_head_dim})", heads * cfg.v_head_dim, bk)]
+
+
+def split_dims(cfg: ModelConfig, fp8_block: Optional[tuple[int, int]] = None, ep: bool = False) -> list[SplitDim]:
     """Every dimension TP splits in this model, with the FP8 block constraints that apply.
+
+    `ep`: expert parallel (--ep-size = --tp): the routed experts are split by whole experts (each
+    rank keeps the full moe_intermediate_size of its n_routed_experts / tp experts) instead of
+    along their intermediate size, so only the expert count must divide.
 
     `fp8_block` is the block of weights kept FP8 (None when they are dequantised). Slices of an
     FP8 checkpoint must not straddle blocks; weights quantised at load (--quantization fp8 on a
     bf16 checkpoint) are quantised per rank, so only the w13 whole-block rule applies to them.
     """
+    bn, bk = fp8_block if fp8_block and cfg.fp8 is not None else (None, None)
+    return attention_dims(cfg, bn, bk) + mlp_dims(cfg, fp8_block, ep)
+
+
+def mlp_dims(cfg: ModelConfig, fp8_block: Optional[tuple[int, int]] = None, ep: bool = False) -> list[SplitDim]:
+    """The dimensions of the dense MLPs and the MoE that TP (or EP, for the routed experts) splits."""
     bn, bk = fp8_block if fp8_block else (None, None)
-    if cfg.fp8 is None:
-        bn_ckpt = bk_ckpt = None
-    else:
-        bn_ckpt, bk_ckpt = bn, bk
-    heads = cfg.num_attention_heads
-    out = [SplitDim("num_attention_heads (MLA is split by heads)", heads),
-           SplitDim("vocab_size (embed_tokens / lm_head rows; vocab padding is not implemented)", cfg.vocab_size)]
-    q = "q_b_proj" if cfg.q_lora_rank else "q_proj"
-    out += [SplitDim(f"self_attn.{q} rows (heads x {cfg.qk_head_dim})", heads * cfg.qk_head_dim, bn_ckpt),
-            SplitDim(f"self_attn.kv_b_proj rows (heads x {cfg.qk_nope_head_dim + cfg.v_head_dim})",
-                     heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bn_ckpt),
-            SplitDim(f"self_attn.o_proj columns (heads x {cfg.v_head_dim})", heads * cfg.v_head_dim, bk_ckpt)]
+    bn_ckpt, bk_ckpt = (None, None) if cfg.fp8 is None else (bn, bk)
+    out: list[SplitDim] = []
     layers = range(cfg.num_hidden_layers)
     if any(not cfg.is_moe_layer(i) for i in layers):
         inter = cfg.intermediate_size
@@ -187,9 +201,12 @@ def split_dims(cfg: ModelConfig, fp8_block: Optional[tuple[int, int]] = None) ->
                 SplitDim("intermediate_size (dense mlp.down_proj columns)", inter, bk_ckpt)]
     if cfg.n_routed_experts and any(cfg.is_moe_layer(i) for i in layers):
         n = cfg.moe_intermediate_size
-        out += [SplitDim("moe_intermediate_size (mlp.experts.*.gate_proj / up_proj rows, stacked in w13)",
-                         n, bn, whole_blocks=True),
-                SplitDim("moe_intermediate_size (mlp.experts.*.down_proj columns)", n, bk_ckpt)]
+        if ep:
+            out.append(SplitDim("n_routed_experts (--ep-size: whole experts per rank)", cfg.n_routed_experts))
+        else:
+            out += [SplitDim("moe_intermediate_size (mlp.experts.*.gate_proj / up_proj rows, stacked in w13)",
+                             n, bn, whole_blocks=True),
+                    SplitDim("moe_intermediate_size (mlp.experts.*.down_proj columns)", n, bk_ckpt)]
         if cfg.n_shared_experts:
             shared = cfg.n_shared_experts * n
             out += [SplitDim("n_shared_experts x moe_intermediate_size (mlp.shared_experts gate/up rows)",
@@ -220,21 +237,36 @@ def split_problem(dim: SplitDim, tp_size: int) -> Optional[str]:
 
 
 def working_tp_sizes(cfg: ModelConfig, fp8_block: Optional[tuple[int, int]] = None,
-                     limit: Optional[int] = None) -> list[int]:
+                     limit: Optional[int] = None, ep: bool = False) -> list[int]:
     """TP sizes (up to `limit`, default the head count) that split this model cleanly."""
-    dims = split_dims(cfg, fp8_block)
+    dims = split_dims(cfg, fp8_block, ep)
     top = limit or cfg.num_attention_heads
     return [t for t in range(1, top + 1) if all(split_problem(d, t) is None for d in dims)]
 
 
-def check_model_divisible(cfg: ModelConfig, tp_size: int, fp8_block: Optional[tuple[int, int]] = None) -> None:
+def check_model_divisible(cfg: ModelConfig, tp_size: int, fp8_block: Optional[tuple[int, int]] = None,
+                          ep_size: int = 1, attn_tp_size: Optional[int] = None) -> None:
     """UsageError when --tp `tp_size` does not split this model's heads, intermediate sizes, vocab or
-    (with `fp8_block`, FP8 weights kept FP8) its 128 x 128 FP8 blocks cleanly."""
-    for dim in split_dims(cfg, fp8_block):
+    (with `fp8_block`, FP8 weights kept FP8) its 128 x 128 FP8 blocks cleanly; with `ep_size` (= tp)
+    when it does not divide the routed experts. `attn_tp_size` (DP attention: tp / dp) is the split
+    of the attention heads and vocab, which must work too."""
+    ep = ep_size > 1
+    if ep and cfg.n_routed_experts % ep_size:
+        raise UsageError(f"--ep-size {ep_size} does not divide n_routed_experts = {cfg.n_routed_experts}: each "
+                         f"rank owns whole experts; use an --ep-size (= --tp) that divides {cfg.n_routed_experts}")
+    attn = attn_tp_size or tp_size
+    if attn != tp_size:
+        bn, bk = (fp8_block or (None, None)) if cfg.fp8 is not None else (None, None)
+        for dim in attention_dims(cfg, bn, bk):
+            why = split_problem(dim, attn)
+            if why is not None:
+                raise UsageError(f"DP attention's attention TP (--tp / --dp = {attn}) {why}: use a larger --dp")
+    dims = mlp_dims(cfg, fp8_block, ep) if attn != tp_size else split_dims(cfg, fp8_block, ep)
+    for dim in dims:
         why = split_problem(dim, tp_size)
         if why is None:
             continue
-        ok = working_tp_sizes(cfg, fp8_block)
+        ok = working_tp_sizes(cfg, fp8_block, ep=ep)
         hint = f"TP sizes that work for this model: {', '.join(map(str, ok))}"
         if dim.block is not None and dim.full % tp_size == 0:  # only the FP8 blocks are in the way
             hint += (" (or --quantization none to dequantise the FP8 weights at load)" if cfg.fp8 is not None

@@ -14,8 +14,15 @@ Computed from a ModelConfig alone (no model is built), so it runs before any wei
   reason DP attention exists).
 - KV tokens per rank = (GPU bytes x mem_fraction_static - weights per rank) / KV bytes per token.
 
-DP attention (Parallelism II) replicates attention within a DP rank's smaller attention-TP group:
-pass `attn_tp_size` (tp / dp) and the attention part is divided by it instead of tp.
+DP attention replicates attention within a DP rank's smaller attention-TP group: pass
+`attn_tp_size` (tp / dp) and the attention part (and the vocab-parallel embedding / lm_head, which
+the engine also splits over the attention group) is divided by it instead of tp. Each DP group
+has its own KV pool, so the job holds dp x the per-GPU KV tokens (`MemoryPlan.job_kv_tokens`);
+plain TP holds one copy (every rank caches every token).
+
+Expert parallel (`ep_size` = tp) cuts the routed experts by whole experts instead of along their
+intermediate size: the same bytes per rank (FP8 scale blocks aside, which are whole at both cuts
+for DeepSeek-V3), so only the labels change.
 
 `python -m engine.distributed.sizing --table` prints the table of docs/parallelism.md.
 """
@@ -32,7 +39,7 @@ from engine.distributed.parallel_config import working_tp_sizes
 from engine.errors import UsageError
 
 GIB = 2**30
-REPL, SPLIT, ATTN = "replicated", "split", "attention"
+REPL, SPLIT, ATTN, VOCAB = "replicated", "split", "attention", "vocab"
 
 
 @dataclass(frozen=True)
@@ -40,8 +47,8 @@ class WeightBytes:
     """A model's parameter bytes by how TP treats them (totals over the whole model)."""
 
     replicated: int  # held whole by every rank
-    split: int  # divided over the TP ranks (MLP, experts, vocab)
-    attention: int  # divided over the attention-TP ranks (q_b / q, kv_b, o_proj)
+    split: int  # divided over the TP ranks (MLP, experts)
+    attention: int  # divided over the attention-TP ranks (q_b / q, kv_b, o_proj; embed_tokens, lm_head)
     absorbed: int  # w_kc / w_vc buffers derived from kv_b_proj, divided like attention
     tp_size: int
     attn_tp_size: int
@@ -58,7 +65,7 @@ class WeightBytes:
 class _Tally:
     def __init__(self, dtype_bytes: int, fp8_block: Optional[tuple[int, int]]):
         self.dtype_bytes, self.fp8_block = dtype_bytes, fp8_block
-        self.bytes = {REPL: 0, SPLIT: 0, ATTN: 0}
+        self.bytes = {REPL: 0, SPLIT: 0, ATTN: 0}  # (vocab rows are split like attention: ATTN)
         self.absorbed = 0
 
     def dense(self, numel: int, where: str, itemsize: Optional[int] = None) -> None:
@@ -110,9 +117,9 @@ def weight_bytes(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 2, fp8_block
     linear weights are kept block-FP8), split by how TP `tp_size` treats them."""
     t = _Tally(dtype_bytes, fp8_block)
     h = cfg.hidden_size
-    t.dense(cfg.vocab_size * h, SPLIT)  # embed_tokens
+    t.dense(cfg.vocab_size * h, ATTN)  # embed_tokens (vocab rows over the attention group)
     if not cfg.tie_word_embeddings:
-        t.dense(cfg.vocab_size * h, SPLIT)  # lm_head
+        t.dense(cfg.vocab_size * h, ATTN)  # lm_head
     t.dense(h, REPL)  # final norm
     for i in range(cfg.num_hidden_layers):
         t.decoder_layer(cfg, cfg.is_moe_layer(i))
@@ -144,7 +151,12 @@ class Layout:
     kv_dtype_bytes: int = 2  # 2: bf16 KV cache, 1: fp8
     include_mtp: bool = True
     gpus_per_node: int = 8
-    attn_tp_size: Optional[int] = None  # DP attention: tp / dp (Parallelism II)
+    attn_tp_size: Optional[int] = None  # DP attention: tp / dp
+    ep_size: int = 1  # expert parallel (= tp): the same bytes per rank, cut by whole experts
+
+    @property
+    def dp_size(self) -> int:
+        return self.tp_size // (self.attn_tp_size or self.tp_size)
 
 
 @dataclass(frozen=True)
@@ -163,7 +175,13 @@ class MemoryPlan:
 
     @property
     def kv_tokens(self) -> int:
+        """KV tokens one GPU holds."""
         return max(0, int((self.budget - self.weights_per_rank) // self.kv_per_token))
+
+    @property
+    def job_kv_tokens(self) -> int:
+        """Distinct KV tokens of the whole job: one pool per DP group (plain TP: one, duplicated on every rank)."""
+        return self.kv_tokens * self.layout.dp_size
 
 
 def plan_memory(cfg: ModelConfig, layout: Layout) -> MemoryPlan:
@@ -214,33 +232,39 @@ def check_fits(cfg: ModelConfig, layout: Layout, min_kv_tokens: int = 1024, name
 # ---------------------------------------------------------------------------- the docs table
 
 TABLE_SETUPS = (
-    # (label, tp, gpu GiB, gpus per node)
-    ("TP 8 on 8 x H200 (141 GB)", 8, 141, 8),
-    ("TP 16 on 2 x 8 x H100 (80 GB)", 16, 80, 8),
-    ("TP 8 on 8 x H100 (80 GB)", 8, 80, 8),
+    # (label, tp, gpu GiB, gpus per node, dp (DP attention), ep)
+    ("TP 8 on 8 x H200 (141 GB)", 8, 141, 8, 1, 1),
+    ("TP 8 + DP attention 8 on 8 x H200", 8, 141, 8, 8, 1),
+    ("TP 8 + EP 8 on 8 x H200", 8, 141, 8, 1, 8),
+    ("TP 16 on 2 x 8 x H100 (80 GB)", 16, 80, 8, 1, 1),
+    ("TP 8 on 8 x H100 (80 GB)", 8, 80, 8, 1, 1),
 )
 
 
+def _kv_cell(cfg: ModelConfig, layout: Layout) -> str:
+    """"per GPU / per job" KV tokens, or why it does not fit."""
+    try:
+        plan = check_fits(cfg, layout)
+    except UsageError:
+        fix = suggestions(cfg, layout, 1024)
+        return "does not fit" + (f" (try {fix[0]})" if fix else "")
+    return f"{plan.kv_tokens:,} / {plan.job_kv_tokens:,}"
+
+
 def table(cfg: ModelConfig, mem_fraction_static: float = 0.85) -> str:
-    """Markdown table: per-GPU weight GiB and KV tokens (bf16 / fp8 KV) for each setup, FP8 weights."""
+    """Markdown table: per-GPU weight GiB and KV tokens per GPU / per job (bf16 / fp8 KV) for each setup,
+    FP8 weights."""
     block = (cfg.fp8.block_n, cfg.fp8.block_k) if cfg.fp8 else (128, 128)
-    rows = ["| setup | weights / GPU (GiB) | of which replicated | KV bytes / token | KV tokens / GPU, bf16 KV "
-            "| KV tokens / GPU, fp8 KV |",
+    rows = ["| setup | weights / GPU (GiB) | of which replicated | KV bytes / token | KV tokens per GPU / per job, "
+            "bf16 KV | KV tokens per GPU / per job, fp8 KV |",
             "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for label, tp, gib, per_node in TABLE_SETUPS:
-        cells = []
-        for kv_bytes in (2, 1):
-            layout = Layout(tp, gib * GIB, mem_fraction_static, 2, block, kv_bytes, True, per_node)
-            plan = plan_memory(cfg, layout)
-            try:
-                check_fits(cfg, layout)
-                cells.append(f"{plan.kv_tokens:,}")
-            except UsageError:
-                fix = suggestions(cfg, layout, 1024)
-                cells.append("does not fit" + (f" (try {fix[0]})" if fix else ""))
+    for label, tp, gib, per_node, dp, ep in TABLE_SETUPS:
+        layouts = [Layout(tp, gib * GIB, mem_fraction_static, 2, block, kv_bytes, True, per_node,
+                          attn_tp_size=tp // dp, ep_size=ep) for kv_bytes in (2, 1)]
+        plan = plan_memory(cfg, layouts[0])
         kv_cells = (f"{kv_bytes_per_token(cfg, b):,} ({'bf16' if b == 2 else 'fp8'})" for b in (2, 1))
         rows.append(f"| {label} | {plan.weights_per_rank / GIB:.1f} | {plan.weights.replicated / GIB:.2f} "
-                    f"| {' / '.join(kv_cells)} | {cells[0]} | {cells[1]} |")
+                    f"| {' / '.join(kv_cells)} | {_kv_cell(cfg, layouts[0])} | {_kv_cell(cfg, layouts[1])} |")
     return "\n".join(rows)
 
 

@@ -9,8 +9,9 @@ of its own.
 
 The tensor-parallel group is not here: it is given to the model at construction
 (engine/model/deepseek.py), because it also decides which shard of each weight a module
-allocates, and each layer that reduces keeps it. (A future data-parallel-attention group
-that changes per forward would be a field here.)
+allocates, and each layer that reduces keeps it. What changes per forward under DP
+attention, the token counts of every DP group, is here: `dp` (engine/distributed/dp_attention.py,
+None without DP attention) gathers the hidden states before each MLP and scatters them after.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
+    from engine.distributed.dp_attention import DPGather
     from engine.forward_batch import ForwardBatch
     from engine.memory.pools import KVPool, ReqToTokenPool
     from engine.model.attention import AttentionBackend
@@ -33,6 +35,7 @@ class ForwardContext:
     rotary: RotaryEmbedding
     attn_backend: AttentionBackend
     moe_backend: MoEBackend
+    dp: Optional[DPGather] = None  # DP attention: this forward's gather / scatter (set by the runner)
 
     def begin_forward(self, fb: ForwardBatch, graph_bs: Optional[int] = None) -> None:
         """Host-side planning once per forward, before any layer runs (graph_bs: a CUDA graph's padded size)."""

@@ -43,7 +43,7 @@ def check_tp(cfg: ModelConfig, tp: TPGroup, fp8_block=None) -> None:
     if tp.size > 1:
         from engine.distributed.parallel_config import check_model_divisible
 
-        check_model_divisible(cfg, tp.size, fp8_block)
+        check_model_divisible(cfg, tp.size, fp8_block, ep_size=tp.ep_size, attn_tp_size=tp.attention.size)
 
 
 class DecoderLayer(nn.Module):
@@ -52,16 +52,20 @@ class DecoderLayer(nn.Module):
         super().__init__()
         tp = tp or solo_group()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = MLA(cfg, cache_layer, dtype, fp8_block, tp)
+        self.self_attn = MLA(cfg, cache_layer, dtype, fp8_block, tp.attention)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.is_moe = moe
         self.mlp = (MoE(cfg, dtype, fp8_block, tp) if moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block, tp))
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), fb, ctx)
+        if x.shape[0]:  # an idle DP-attention forward has no tokens: its attention group skips attention
+            x = x + self.self_attn(self.input_layernorm(x), fb, ctx)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, ctx) if self.is_moe else self.mlp(h))
+        if ctx.dp is not None:
+            h = ctx.dp.gather(h)
+        out = self.mlp(h, ctx) if self.is_moe else self.mlp(h)
+        return x + (ctx.dp.scatter(out) if ctx.dp is not None else out)
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -70,9 +74,10 @@ class DeepseekForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block=None, tp: Optional[TPGroup] = None):
         super().__init__()
         self.cfg = cfg
-        self.tp = tp = tp or solo_group()
+        tp = tp or solo_group()
         check_tp(cfg, tp, fp8_block)
-        vocab = tp_local(cfg.vocab_size, tp, "vocab_size")  # this rank's vocab rows
+        self.tp = tp.attention  # embedding and lm_head: vocab-parallel over the attention group
+        vocab = tp_local(cfg.vocab_size, self.tp, "vocab_size")  # this rank's vocab rows
         self.embed_tokens = nn.Parameter(torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, dtype, fp8_block, moe=cfg.is_moe_layer(i), tp=tp)
@@ -105,7 +110,8 @@ class MTPLayer(nn.Module):
                  moe: bool = True, tp: Optional[TPGroup] = None):
         super().__init__()
         h = cfg.hidden_size
-        self.tp = tp = tp or solo_group()
+        tp = tp or solo_group()
+        self.tp = tp.attention
         # its one decoder layer, checked on its own (cfg may be truncated to dense layers only)
         check_tp(replace(cfg, num_hidden_layers=1, first_k_dense_replace=0 if moe else 1, moe_layer_freq=1),
                  tp, fp8_block)

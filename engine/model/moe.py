@@ -11,6 +11,15 @@ rank's N / tp gate rows then its N / tp up rows; w2: the matching columns) and t
 experts like a dense MLP; the router stays replicated, so every rank routes every token
 the same way. Routed and shared outputs are both partial sums over the intermediate
 dimension: they are added locally and summed over the group by ONE all-reduce per layer.
+
+Expert parallelism (`tp.ep_size` = tp.size): each rank owns n_routed_experts / ep whole experts
+(full intermediate size). Every rank still holds every token (plain TP: the attention output is
+all-reduced; DP attention: the tokens of all DP groups are gathered before the MoE), routes all
+of them with the replicated router, and computes only its own experts: the chosen ids are mapped
+to local ids, and ids of other ranks' experts become -1, which the fused kernel's alignment and
+the reference both skip (no work, no memory traffic for them). A token's output is then the sum
+over ranks of its local experts' weighted outputs, which the same one all-reduce (routed partials
++ shared-expert partials) produces: "gather + local experts + reduce", no all-to-all.
 """
 
 from __future__ import annotations
@@ -43,6 +52,12 @@ def select_experts(logits: torch.Tensor, cfg: ModelConfig,
                 routed_scaling_factor=cfg.routed_scaling_factor, scoring_func=cfg.scoring_func)
 
 
+def local_expert_ids(ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Global expert ids -> this EP rank's local ids [0, count); experts of other ranks -> -1 (skipped)."""
+    local = ids - first
+    return torch.where((local >= 0) & (local < count), local, torch.full_like(local, -1))
+
+
 class MoEBackend(Protocol):
     def experts(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Sum over the chosen experts of weight * expert(x): [T, hidden]."""
@@ -52,13 +67,19 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block=None, tp: Optional[TPGroup] = None):
         super().__init__()
         self.cfg = cfg
-        self.tp = tp or solo_group()
+        self.tp = tp = tp or solo_group()
         e, k = cfg.n_routed_experts, cfg.hidden_size
-        n = tp_local(cfg.moe_intermediate_size, self.tp, "moe_intermediate_size")  # this rank's share
+        if tp.ep_size > 1:  # whole experts per rank
+            e, n = e // tp.ep_size, cfg.moe_intermediate_size
+            self.first_expert = tp.ep_rank * e
+        else:
+            n = tp_local(cfg.moe_intermediate_size, tp, "moe_intermediate_size")  # this rank's share
+            self.first_expert = 0
+        self.num_local_experts = e
         self.fp8_block = fp8_block
-        self.gate_weight = nn.Parameter(torch.empty(e, k, dtype=dtype), requires_grad=False)
+        self.gate_weight = nn.Parameter(torch.empty(cfg.n_routed_experts, k, dtype=dtype), requires_grad=False)
         self.e_score_correction_bias = (
-            nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False)
+            nn.Parameter(torch.empty(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
             if cfg.topk_method == "noaux_tc" else None
         )
         wdtype = FP8_DTYPE if fp8_block else dtype
@@ -78,6 +99,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate_weight.float())
         weights, ids = select_experts(logits, self.cfg, self.e_score_correction_bias)
+        if self.tp.ep_size > 1:
+            ids = local_expert_ids(ids, self.first_expert, self.num_local_experts)
         out = ctx.moe_backend.experts(self, x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -14,6 +14,14 @@ when idle, so that the others never wait past --dist-timeout), every rank applie
 and steps; the sampled tokens are broadcast from rank 0 inside the step (the runner), so
 every scheduler makes the same decisions. Only rank 0 talks to the serving process.
 When the serving process goes away (pipe EOF) rank 0 tells the others to stop.
+
+With DP attention (engine/distributed/dp_attention.py) the ranks form DP groups, each with its
+own scheduler, KV pool and radix cache. Rank 0 still receives every message; its
+`DPController` (dp_controller.py) tags each new request with a DP group, and every rank applies
+only its group's messages (an abort or a shutdown goes to all). Each iteration the ranks agree
+whether any group has work (a max all-reduce); if so every rank steps, and a rank whose step ran
+no forward runs an idle one, so each rank joins exactly one forward's collectives per iteration.
+Then rank 0 gathers every group's deltas and stats and sends them as one StepOutputs.
 """
 
 from __future__ import annotations
@@ -53,9 +61,18 @@ class EngineLoop:
         self.engine = engine
         self.outbox = outbox  # None on TP ranks other than 0
         self.tp = engine.runner.parallel.tp
+        self.dp = self.tp.dp_size > 1
+        self._deferred: list = []  # DP attention: messages for the serving process, sent through rank 0
+        self.controller = None
+        if self.dp and self.tp.is_first:
+            from engine.server.dp_controller import DPController
+
+            self.controller = DPController(self.tp.dp_size, engine.args.parallel.load_balance_method)
 
     def _send(self, msg) -> None:
-        if self.outbox is not None:
+        if self.dp:
+            self._deferred.append(msg)
+        elif self.outbox is not None:
             self.outbox.send(msg)
 
     def handle(self, msg) -> bool:
@@ -87,10 +104,32 @@ class EngineLoop:
     def send_outputs(self) -> None:
         """Send the deltas gathered since the last call, and the stats."""
         outputs = self.engine.scheduler.take_outputs()
-        if self.outbox is not None:
-            self.outbox.send(protocol.StepOutputs(outputs, scheduler_stats(self.engine.scheduler, self.engine.runner)))
+        stats = scheduler_stats(self.engine.scheduler, self.engine.runner)
+        if self.dp:
+            self._send_dp_outputs(outputs, stats)
+        elif self.outbox is not None:
+            self.outbox.send(protocol.StepOutputs(outputs, stats))
+
+    def _send_dp_outputs(self, outputs, stats) -> None:
+        """DP attention (a collective): rank 0 gathers each group leader's deltas, stats and messages."""
+        from engine.distributed.comm import gather_objects
+
+        mine = (outputs, stats, self._deferred) if self.tp.attention.is_first else None
+        self._deferred = []
+        every = gather_objects(mine, self.tp)
+        if every is None or self.outbox is None:
+            return
+        leaders = [x for x in every if x is not None]
+        for _, _, msgs in leaders:
+            for msg in msgs:
+                self.outbox.send(msg)
+        merged = [out for outs, _, _ in leaders for out in outs]
+        self.outbox.send(protocol.StepOutputs(merged, self.controller.merge_stats([s for _, s, _ in leaders])))
 
     def run(self, inbox: Optional[Connection]) -> None:
+        if self.dp:
+            self._run_dp(inbox)
+            return
         if self.tp.size > 1:
             self._run_mirrored(inbox)
             return
@@ -121,6 +160,28 @@ class EngineLoop:
                 self.step()
                 self.send_outputs()
 
+    def _run_dp(self, inbox: Optional[Connection]) -> None:
+        """The DP-attention loop: rank 0 routes each message to a DP group; all groups step together."""
+        from engine.distributed.comm import all_reduce_max_int, broadcast_object
+
+        runner, busy = self.engine.runner, False
+        while True:
+            routed = None
+            if self.tp.is_first:
+                routed = [(self.controller.route(m), m) for m in self._drain(inbox, busy)]
+            routed = broadcast_object(routed, 0, self.tp)
+            go_on = all([self.handle(m) for g, m in routed if g is None or g == self.tp.dp_rank])
+            if not go_on:
+                return
+            busy = bool(all_reduce_max_int(int(self.engine.scheduler.has_work()), self.tp))
+            if busy:
+                before = runner.forwards
+                self.step()
+                if runner.forwards == before:
+                    runner.idle_forward()
+            if busy or routed:
+                self.send_outputs()
+
     def _drain(self, inbox: Connection, busy: bool) -> list:
         """Rank 0: what arrived (waiting up to HEARTBEAT_S when idle); a closed pipe reads as Shutdown."""
         msgs, timeout = [], 0 if busy else HEARTBEAT_S
@@ -140,6 +201,22 @@ def _warm_up(engine) -> None:
     vocab = engine.config.vocab_size
     engine.generate(input_ids=[[i % vocab for i in range(1, 9)]],
                     sampling_params=SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
+
+
+def _dp_pools(runner) -> tuple[int, ...]:
+    """DP attention: every DP group's KV pool size (a collective; logged by rank 0); () without DP."""
+    from engine.distributed.comm import all_gather_ints
+
+    tp = runner.parallel.tp
+    if tp.dp_size == 1:
+        return ()
+    every = all_gather_ints(int(runner.kv_pool.size), tp)
+    pools = tuple(every[g * tp.attention.size] for g in range(tp.dp_size))
+    if tp.is_first:
+        log.info("KV cache: %d DP attention groups x %s tokens = %d tokens in all (plain TP over the same ranks "
+                 "holds one copy of ~%d)", tp.dp_size, "/".join(map(str, sorted(set(pools)))), sum(pools),
+                 min(pools))
+    return pools
 
 
 def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], outbox: Optional[Connection],
@@ -173,10 +250,12 @@ def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], 
         outbox.send(protocol.EngineFailed(f"engine failed to start: {msg}"))
         sys.exit(1)
     runner = engine.runner
+    dp_pools = _dp_pools(runner)
     if outbox is not None:
         outbox.send(protocol.EngineInfo(max_model_len=runner.max_model_len, vocab_size=engine.config.vocab_size,
-                                        kv_total_tokens=int(runner.kv_pool.size),
-                                        max_running_requests=args.scheduler.max_running_requests, pid=os.getpid()))
+                                        kv_total_tokens=sum(dp_pools) if dp_pools else int(runner.kv_pool.size),
+                                        max_running_requests=args.scheduler.max_running_requests, pid=os.getpid(),
+                                        dp_kv_tokens=dp_pools))
     loop = EngineLoop(engine, outbox)
     try:
         loop.run(inbox)

@@ -58,7 +58,7 @@ def chat_prompt(req: ChatRequest, tokenizer) -> list[int]:
 
 def check_prompt(ids: Sequence[int], info: EngineInfo, param: str = "prompt") -> None:
     """The engine's prompt check (engine/scheduler/prompt_check.py) as a 400 naming `param`."""
-    limits = prompt_check.PromptLimits(info.max_model_len, info.vocab_size, info.kv_total_tokens)
+    limits = prompt_check.PromptLimits(info.max_model_len, info.vocab_size, info.request_kv_tokens)
     try:
         prompt_check.check_prompt(ids, limits)
     except prompt_check.PromptError as exc:

@@ -3,7 +3,9 @@
 Counters and latency histograms are updated in the serving process as outputs
 arrive; the engine's load and memory gauges (running / waiting requests, KV
 pool usage and free tokens, prefix-cache holdings and hit rate) and its
-retraction counter are read from the latest EngineStats at scrape time.
+retraction counter are read from the latest EngineStats at scrape time. With DP attention
+the engine also reports, per DP group (label dp_rank), the requests dispatched to it
+(counter) and its running + waiting requests (gauge).
 """
 
 from __future__ import annotations
@@ -46,6 +48,22 @@ class _EngineCollector:
             yield g
         yield CounterMetricFamily("dsctl_retracted_requests", "Requests preempted because decode ran out of KV "
                                   "(requeued and resumed by recompute).", value=float(s.retracted_requests))
+        yield from _dp_metrics(s)
+
+
+def _dp_metrics(s):
+    """Per-DP-group series (DP attention only)."""
+    if not s.dp_requests:
+        return
+    sent = CounterMetricFamily("dsctl_dp_requests", "Requests dispatched to each DP attention group.",
+                               labels=["dp_rank"])
+    load = GaugeMetricFamily("dsctl_dp_num_requests", "Running + waiting requests of each DP attention group.",
+                             labels=["dp_rank"])
+    for rank, (n, busy) in enumerate(zip(s.dp_requests, s.dp_running or (0,) * len(s.dp_requests))):
+        sent.add_metric([str(rank)], float(n))
+        load.add_metric([str(rank)], float(busy))
+    yield sent
+    yield load
 
 
 class ServerMetrics:

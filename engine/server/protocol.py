@@ -11,6 +11,7 @@ the offline Engine consumes the same deltas.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from engine.sampling import SamplingParams
 from engine.scheduler.output import RequestOutput
@@ -22,6 +23,7 @@ class AddRequest:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    dp_rank: Optional[int] = None  # DP attention: run on this DP group (None: the controller's policy picks)
 
 
 @dataclass
@@ -42,6 +44,12 @@ class EngineInfo:
     kv_total_tokens: int
     max_running_requests: int
     pid: int
+    dp_kv_tokens: tuple[int, ...] = ()  # DP attention: each DP group's KV pool (kv_total_tokens is their sum)
+
+    @property
+    def request_kv_tokens(self) -> int:
+        """The KV tokens one request can use: its DP group's pool (the whole pool without DP attention)."""
+        return min(self.dp_kv_tokens) if self.dp_kv_tokens else self.kv_total_tokens
 
 
 @dataclass
@@ -53,6 +61,8 @@ class EngineStats:
     prefix_cache_tokens: int = 0  # KV tokens held (evictable) by the prefix cache
     prefix_cache_hit_rate: float = 0.0
     retracted_requests: int = 0  # cumulative: requests preempted when decode ran out of KV (resumed later)
+    dp_requests: tuple[int, ...] = ()  # DP attention, cumulative: requests dispatched to each DP group
+    dp_running: tuple[int, ...] = ()  # DP attention: running + waiting requests of each DP group
 
 
 @dataclass

@@ -80,7 +80,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def serve(args: EngineArgs) -> None:
     import uvicorn
 
-    from engine.ranked import check_launch
+    from engine.ranked import check_launch, launch_args
     from engine.server.app import build_app
     from engine.tokenizer import load_tokenizer
 
@@ -88,6 +88,7 @@ def serve(args: EngineArgs) -> None:
     http = args.server
     level = http.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = launch_args(args)  # --enable-dp-attention alone spans the visible GPUs
     resolved = check_launch(args)  # fail fast on a bad --model or parallel layout, before starting anything
     if args.parallel.node_rank > 0:
         serve_ranks_only(args)

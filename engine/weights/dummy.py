@@ -5,7 +5,7 @@ DeepSeek-V3 runs the same kernels as the real checkpoint.
 
 The values do not depend on tensor parallelism: each parameter's values are those of
 its whole (TP 1) tensor, a pure function of (seed, parameter name, full shape), and a TP
-rank keeps its slice of them (engine/weights/sharding.py's rules), so a TP run with dummy
+(or EP, or DP-attention) rank keeps its slice of them (engine/weights/sharding.py's rules), so a TP run with dummy
 weights computes what one process does. The whole tensor is drawn in blocks of rows
 (about 2^24 elements each, one generator seeded from (seed, name, first row) per block):
 no full-size temporary is ever allocated, and a rank that holds a row range of a tensor
@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from engine.distributed.groups import TPGroup
-from engine.weights.sharding import SliceSpec, is_scale, shard_spec, weight_name
+from engine.weights.sharding import SliceSpec, group_spec, is_scale, weight_name
 from kernels.fp8_math import FP8_DTYPE
 
 _CHUNK = 1 << 24  # elements generated at a time (rounded to whole rows)
@@ -89,5 +89,5 @@ def fill_dummy(named_params: Iterable[tuple[str, torch.Tensor]], seed: int,
         spec = None
         if split:
             wshape = full_shapes[weight_name(name)] if is_scale(name) else None
-            spec = shard_spec(name, full, tp.rank, tp.size, block, wshape)
+            spec = group_spec(name, full, tp, block, wshape)
         fill_slice(p, name, full, spec, seed, _transform(name, p.dtype))

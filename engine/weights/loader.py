@@ -10,7 +10,10 @@ Tensor parallelism: given a rank's `TPGroup`, every tensor is read through safet
 `get_slice` as only that rank's part (engine/weights/sharding.py's rules, by our parameter
 name), FP8 block scales as the blocks that cover it; no whole split tensor is ever read.
 A sliced FP8 weight is dequantised with `dequant_slice` (exact even inside a block), kept
-FP8 as it is, or, from a plain checkpoint, quantised per rank.
+FP8 as it is, or, from a plain checkpoint, quantised per rank. Under expert parallelism a rank
+reads only the per-expert tensors (and FP8 scales) of the experts it owns, whole, into its local
+expert index; under DP attention attention weights and the vocab rows are sliced over the
+attention-TP group.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from safetensors import safe_open
 from engine.config import ModelConfig
 from engine.distributed.groups import TPGroup
 from engine.errors import CheckpointError
-from engine.weights.sharding import SliceSpec, dequant_slice, read_slice, scale_spec, shard_spec
+from engine.weights.sharding import SliceSpec, dequant_slice, expert_owner, group_spec, read_slice, scale_spec
 from kernels.fp8_math import FP8_DTYPE, cdiv, dequant_block_fp8, quantize_block_fp8
 
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
@@ -101,9 +104,11 @@ def hf_to_target(name: str, cfg: ModelConfig, num_layers: int, mtp: bool) -> Opt
 class _Shards:
     """The checkpoint's shard files, opened on first use, read as one TP rank's slices."""
 
-    def __init__(self, ckpt: Path, wmap: dict[str, str], tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, ckpt: Path, wmap: dict[str, str], tp: Optional[TPGroup] = None):
+        from engine.model.layers import solo_group
+
         self.ckpt, self.wmap, self._open = ckpt, wmap, {}
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp = tp or solo_group()
 
     def handle(self, name: str):
         fname = self.wmap[name]
@@ -121,7 +126,7 @@ class _Shards:
         handle = self.handle(name)
         shape = handle.get_slice(name).get_shape()
         try:
-            spec = shard_spec(param, shape, self.tp_rank, self.tp_size)
+            spec = group_spec(param, shape, self.tp)
         except ValueError as exc:
             raise CheckpointError(f"{name}: {exc}") from None
         src = read_slice(handle, name, spec)
@@ -167,11 +172,11 @@ def load_checkpoint(modules: dict[str, torch.nn.Module], ckpt: Path, cfg: ModelC
     mtp = "mtp." in modules
     params = {prefix + k: v for prefix, mod in modules.items() for k, v in mod.named_parameters()}
     filled: set[tuple[str, Optional[int], Optional[str]]] = set()
-    shards = _Shards(ckpt, wmap, *((tp.rank, tp.size) if tp is not None else (0, 1)))
+    shards = _Shards(ckpt, wmap, tp)
     for name in wmap:
         if name.endswith("weight_scale_inv"):
             continue  # consumed together with its weight
-        t = hf_to_target(name, cfg, num_layers, mtp)
+        t = _local(hf_to_target(name, cfg, num_layers, mtp), cfg, tp)
         if t is None or t.name not in params:
             continue
         src, scale, spec = shards.read(name, t.name, block)
@@ -185,6 +190,16 @@ def load_checkpoint(modules: dict[str, torch.nn.Module], ckpt: Path, cfg: ModelC
         lines = [_describe(m) for m in missing]
         head = f"{ckpt}: {len(lines)} tensor(s) missing from the checkpoint"
         raise CheckpointError("\n  ".join([head, *lines[:50]] + (["..."] if len(lines) > 50 else [])))
+
+
+def _local(t: Optional[Target], cfg: ModelConfig, tp: Optional[TPGroup]) -> Optional[Target]:
+    """EP: the target with its expert renumbered to this rank's local index, or None for another
+    rank's expert (not read at all). Without EP: `t` as it is."""
+    if t is None or t.expert is None or tp is None or tp.ep_size == 1:
+        return t
+    if expert_owner(t.expert, cfg.n_routed_experts, tp.ep_size) != tp.ep_rank:
+        return None
+    return Target(t.name, t.expert - tp.ep_rank * (cfg.n_routed_experts // tp.ep_size), t.part)
 
 
 def _store(params, t: Target, src, scale, block, filled, spec: Optional[SliceSpec] = None) -> None:
@@ -239,7 +254,7 @@ def _expected(params, cfg: ModelConfig, modules) -> set:
     for name in params:
         if re.search(r"mlp\.w(13|2)(_scale)?$", name):
             parts = ("down",) if ".w2" in name else ("gate", "up")
-            want |= {(name, e, part) for e in range(cfg.n_routed_experts) for part in parts}
+            want |= {(name, e, part) for e in range(params[name].shape[0]) for part in parts}  # local experts
         elif not (name.startswith("mtp.") and name in ("mtp.embed_tokens", "mtp.head")):
             want.add((name, None, None))
     return want

@@ -13,6 +13,15 @@ holds: a `SliceSpec` (dim, start, length), or None when the rank holds all of it
 - embed_tokens / lm_head (and the MTP copies) vocab-parallel: split by rows.
 - MTP: the same rules for its decoder layer; enorm, hnorm, eh_proj, shared_head_norm replicated.
 
+Expert parallel (`ep_size` = tp_size): the stacked routed experts w13 / w2 (and their scales) are
+split along dim 0, whole experts: rank r holds experts [r * E / ep, (r + 1) * E / ep) with their
+full intermediate size. A per-expert checkpoint tensor is then read whole by the rank that owns
+the expert (`expert_owner`) and not at all by the others.
+
+DP attention (`attn` = (rank, size) of the attention-TP group): attention weights (q_b / q,
+kv_b, o_proj) and the vocab-parallel embed_tokens / lm_head are split over the attention group
+only; dense MLPs and experts over the whole group. `group_spec` reads all this from a `TPGroup`.
+
 FP8 block scales (`weight_scale_inv`, `w13_scale`, `w2_scale`) are sliced by block index so they
 cover exactly the weight slice: weight rows [s, s + L) take scale rows [s // b, ceil((s + L) / b)).
 `dequant_slice` dequantises such a pair exactly even when the slice does not start on a block
@@ -147,18 +156,54 @@ def scale_spec(weight_spec: SliceSpec, weight_shape: Sequence[int], block: tuple
     return SliceSpec(weight_spec.dim, first, last - first, weight_spec.pieces)
 
 
+def is_attention_split(name: str) -> bool:
+    """Whether `name` is split over the attention-TP group (attention projections, vocab rows)."""
+    return split_kind(name) == _VOCAB or ".self_attn." in f".{name}"
+
+
+def _expert_spec(name: str, shape: Sequence[int], ep_rank: int, ep_size: int) -> Optional[SliceSpec]:
+    """EP: a stacked [E, ...] expert parameter (or scale) -> this rank's whole experts; a per-expert
+    checkpoint tensor (2-D) -> None (read whole, by its owner only)."""
+    if len(shape) != 3:
+        return None
+    if shape[0] % ep_size:
+        raise ValueError(f"{name}: {shape[0]} experts do not split over --ep-size {ep_size}")
+    per = shape[0] // ep_size
+    return SliceSpec(0, ep_rank * per, per)
+
+
+def expert_owner(expert: int, n_experts: int, ep_size: int) -> int:
+    """The EP rank that holds routed expert `expert` (of `n_experts`)."""
+    return expert // (n_experts // ep_size)
+
+
+def group_spec(name: str, full_shape: Sequence[int], group, block: Optional[tuple[int, int]] = None,
+               weight_shape: Optional[Sequence[int]] = None) -> Optional[SliceSpec]:
+    """`shard_spec` for one rank of a `TPGroup` (engine/distributed/groups.py): its TP rank, EP size and
+    attention-TP group (DP attention)."""
+    attn = group.attention
+    return shard_spec(name, full_shape, group.rank, group.size, block, weight_shape, ep_size=group.ep_size,
+                      attn=(attn.rank, attn.size))
+
+
 def shard_spec(name: str, full_shape: Sequence[int], tp_rank: int, tp_size: int,
                block: Optional[tuple[int, int]] = None,
-               weight_shape: Optional[Sequence[int]] = None) -> Optional[SliceSpec]:
+               weight_shape: Optional[Sequence[int]] = None, *, ep_size: int = 1,
+               attn: Optional[tuple[int, int]] = None) -> Optional[SliceSpec]:
     """The part of tensor `name` (our parameter name, full shape `full_shape`) that TP rank `tp_rank`
     of `tp_size` holds; None when the rank holds it whole (replicated, or tp_size 1).
 
     For a block-scale name give `block` and `weight_shape` (the full shape of its weight): the
-    scale is sliced to cover the weight's slice.
+    scale is sliced to cover the weight's slice. `ep_size` (1 or tp_size): routed experts split by
+    whole experts; `attn` (rank, size): the attention-TP group of DP attention (default: the TP group).
     """
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
     kind = split_kind(name)
+    if kind in (_W13, _W2) and ep_size > 1:
+        return _expert_spec(name, full_shape, tp_rank, ep_size)
+    if attn is not None and is_attention_split(name):
+        tp_rank, tp_size = attn
     if kind == _REPLICATED or tp_size == 1:
         return None
     if not is_scale(name):

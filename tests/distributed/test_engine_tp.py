@@ -60,15 +60,43 @@ def reference():
     return get
 
 
-@pytest.mark.parametrize("model, tp", [("tiny", 2), ("tiny", 4), ("tiny-fp8", 2), ("tiny-fp8", 4)])
-def test_greedy_tokens_identical_to_one_process(reference, model, tp):
+EP = dict(ep_size=None)  # --ep-size = --tp
+DPA = dict(enable_dp_attention=True)
+
+
+@pytest.mark.parametrize("model, tp, layout", [
+    ("tiny", 2, {}), ("tiny", 4, {}), ("tiny-fp8", 2, {}), ("tiny-fp8", 4, {}),
+    ("tiny", 2, EP), ("tiny", 4, EP), ("tiny-fp8", 2, EP), ("tiny-fp8", 4, EP),
+    ("tiny", 2, dict(DPA, dp_size=2)), ("tiny", 4, dict(DPA, dp_size=2)), ("tiny-fp8", 2, dict(DPA, dp_size=2)),
+    ("tiny", 2, dict(DPA, dp_size=2, **EP)),
+], ids=lambda v: "-".join(k for k in ("ep_size", "dp_size") if k in v) or "tp" if isinstance(v, dict) else None)
+def test_greedy_tokens_identical_to_one_process(reference, model, tp, layout):
     prompts, ref = reference(model)
-    with RankedEngine(EngineArgs.of(model=model, tp_size=tp, **FLAGS)) as eng:
+    layout = {k: tp if v is None else v for k, v in layout.items()}
+    with RankedEngine(EngineArgs.of(model=model, tp_size=tp, **layout, **FLAGS)) as eng:
         got = eng.generate(input_ids=prompts, sampling_params=_params(len(prompts)))
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert len({t for o in ref for t in o.token_ids}) > 8, "degenerate outputs: the comparison would be weak"
     worst = max(abs(a - b) for o, r in zip(got, ref) for a, b in zip(o.logprobs, r.logprobs))
     assert worst <= LOGPROB_ATOL, f"log-probs differ by {worst:.2e}"
+
+
+def test_dp_attention_uneven_load_and_kv_capacity(reference):
+    """Every request on DP group 1 while group 0 idles (it runs idle forwards for group 1's MoE layers):
+    no hang, the same tokens; then spread over both groups by shortest_queue. Each DP group has its own
+    KV pool, so the job holds dp x a plain-TP rank's pool (acceptance 3), reported at start-up."""
+    prompts, ref = reference("tiny")
+    n = 8
+    with RankedEngine(EngineArgs.of(model="tiny", tp_size=2, enable_dp_attention=True, dp_size=2, dist_timeout=60,
+                                    load_balance_method="shortest_queue", **FLAGS)) as eng:
+        assert eng.info.dp_kv_tokens == (FLAGS["max_total_tokens"],) * 2
+        assert eng.info.kv_total_tokens == 2 * FLAGS["max_total_tokens"]
+        got = eng.generate(input_ids=prompts[:n], sampling_params=_params(n), dp_rank=1)
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref[:n]]
+        got = eng.generate(input_ids=prompts, sampling_params=_params(len(prompts)))
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    with RankedEngine(EngineArgs.of(model="tiny", tp_size=2, **FLAGS)) as plain:
+        assert plain.info.kv_total_tokens == FLAGS["max_total_tokens"]  # TP: one pool, duplicated on both ranks
 
 
 def test_sampled_tokens_follow_rank_0(reference):
@@ -85,11 +113,15 @@ def test_sampled_tokens_follow_rank_0(reference):
 @pytest.mark.parametrize("flags, message", [
     (dict(tp_size=3), "3"),
     (dict(tp_size=2, nnodes=2), "needs --dist-init-addr"),
-    (dict(tp_size=2, dp_size=2), "arrives with DP attention"),
+    (dict(tp_size=2, dp_size=2), "needs --enable-dp-attention"),
+    (dict(tp_size=4, dp_size=3, enable_dp_attention=True), "dividing --tp 4"),
+    (dict(tp_size=4, ep_size=2), "must equal --tp 4"),
 ])
 def test_bad_layouts_are_rejected_before_loading(flags, message):
-    with pytest.raises(UsageError, match=message):
-        check_launch(EngineArgs.of(model="tiny", device="cpu", **flags))
+    flags = {"model": "tiny", **flags}
+    with pytest.raises(UsageError, match=message) as exc:
+        check_launch(EngineArgs.of(device="cpu", **flags))
+    assert "\n" not in str(exc.value)
 
 
 def test_a_killed_rank_fails_the_engine_with_its_name():

@@ -72,14 +72,45 @@ def test_parse_host_port():
     (dict(tp_size=0), "--tp-size must be >= 1"),
     (dict(node_rank=1), "--node-rank 1"),
     (dict(dist_timeout=0), "--dist-timeout"),
-    (dict(tp_size=4, dp_size=2, enable_dp_attention=True), "arrives with DP attention"),
     (dict(tp_size=4, dp_size=3, enable_dp_attention=True), "dividing --tp 4"),
-    (dict(tp_size=4, dp_size=2), "arrives with DP attention"),
-    (dict(tp_size=4, ep_size=4), "arrive with expert parallelism"),
+    (dict(tp_size=4, dp_size=8, enable_dp_attention=True), "dividing --tp 4"),
+    (dict(tp_size=4, dp_size=2), "needs --enable-dp-attention"),
     (dict(tp_size=4, ep_size=2), "must equal --tp 4"),
 ])
 def test_other_flag_errors(kwargs, words):
     assert words in usage_error(ParallelConfig(**kwargs).validate)
+
+
+@pytest.mark.parametrize("kwargs", [dict(tp_size=4, dp_size=2, enable_dp_attention=True),
+                                    dict(tp_size=2, dp_size=2, enable_dp_attention=True, ep_size=2),
+                                    dict(tp_size=4, ep_size=4)])
+def test_dp_attention_and_ep_layouts_are_accepted(kwargs):
+    pc = ParallelConfig(**kwargs)
+    pc.validate()
+    assert pc.world_size == kwargs["tp_size"]
+    assert pc.attn_tp_size == kwargs["tp_size"] // kwargs.get("dp_size", 1)
+
+
+def test_ep_must_divide_the_experts():
+    tiny = config("tiny")
+    check_model_divisible(tiny, 4, ep_size=4)
+    msg = usage_error(check_model_divisible, replace(tiny, n_routed_experts=6), 4, ep_size=4)
+    assert "--ep-size 4 does not divide n_routed_experts = 6" in msg
+    # EP keeps each expert's whole intermediate size: tiny-fp8 (moe_intermediate 128) stays FP8 at EP 2 / 4,
+    # which TP's intermediate split refuses
+    fp8 = config("tiny-fp8")
+    usage_error(check_model_divisible, fp8, 2, (128, 128))
+    for ep in (2, 4):
+        check_model_divisible(fp8, ep, (128, 128), ep_size=ep)
+
+
+def test_dp_attention_splits_attention_over_tp_over_dp():
+    tiny = config("tiny")  # 4 heads: --tp 16 alone does not split them; --tp 16 --dp 4 (attention TP 4) does
+    wide = replace(tiny, n_routed_experts=16, moe_intermediate_size=256, intermediate_size=512)
+    usage_error(check_model_divisible, wide, 16)
+    check_model_divisible(wide, 16, attn_tp_size=4)
+    msg = usage_error(check_model_divisible, wide, 16, attn_tp_size=8)
+    assert "DP attention's attention TP (--tp / --dp = 8)" in msg and "larger --dp" in msg
 
 
 def test_tp_must_divide_heads_and_sizes():

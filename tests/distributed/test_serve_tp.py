@@ -1,5 +1,8 @@
 """`dsctl serve --tp 2` on CPU (gloo): the OpenAI API over two engine ranks, and how it fails and stops.
 
+Also DP attention (`--tp 2 --enable-dp-attention --dp 2`): the same greedy completions, 64 concurrent
+streams with no failure, and requests spread over both DP groups (per-group counters in /metrics).
+
 Also the two-node form: two `dsctl serve` launches (--nnodes 2 --node-rank 0|1) on 127.0.0.1
 form one TP-2 world; node 0 serves HTTP, node 1 runs a rank only.
 """
@@ -49,26 +52,52 @@ def one_process_text():
         srv.stop()
 
 
+def _streams(srv, n: int) -> list:
+    """n concurrent streamed completions; their texts or exceptions."""
+    async def streams():
+        client = srv.async_client()
+
+        async def one(i):
+            stream = await client.completions.create(model="tiny", prompt=f"stream {i}:", max_tokens=12,
+                                                     temperature=0.7, stream=True)
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        return await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+
+    return asyncio.run(streams())
+
+
 def test_tp2_server_matches_one_process_and_takes_32_streams(one_process_text):
     srv = launch("--device", "cpu", "--tp", "2")
     try:
         pids = srv.get("/health").json()["engine_pids"]
         assert len(pids) == 2
         assert _greedy(srv) == one_process_text
-
-        async def streams():
-            client = srv.async_client()
-
-            async def one(i):
-                stream = await client.completions.create(model="tiny", prompt=f"stream {i}:", max_tokens=12,
-                                                         temperature=0.7, stream=True)
-                return "".join([c.choices[0].text async for c in stream if c.choices])
-
-            return await asyncio.gather(*(one(i) for i in range(32)), return_exceptions=True)
-
-        results = asyncio.run(streams())
+        results = _streams(srv, 32)
         failures = [r for r in results if isinstance(r, BaseException)]
         assert not failures, failures[:3]
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=60) == 0, srv.log()
+        assert wait_for(lambda: not any(_alive(p) for p in pids), timeout=10), "a rank outlived the server"
+    finally:
+        srv.stop()
+
+
+def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_text):
+    srv = launch("--device", "cpu", "--tp", "2", "--enable-dp-attention", "--dp", "2")
+    try:
+        pids = srv.get("/health").json()["engine_pids"]
+        assert len(pids) == 2
+        assert "2 DP attention groups" in srv.log()  # the KV capacity, printed at start-up
+        assert _greedy(srv) == one_process_text
+        results = _streams(srv, 64)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        assert not failures, failures[:3]
+        assert sum(1 for r in results if r) > 32  # streams produced text
+        m = srv.metrics()
+        sent = [m.get(f'dsctl_dp_requests_total{{dp_rank="{g}"}}', 0) for g in (0, 1)]
+        assert all(n >= 16 for n in sent), sent  # round robin: both groups served requests
+        assert sum(sent) == 64 + len(PROMPTS), sent
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=60) == 0, srv.log()
         assert wait_for(lambda: not any(_alive(p) for p in pids), timeout=10), "a rank outlived the server"

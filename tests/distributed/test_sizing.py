@@ -86,6 +86,40 @@ def test_kv_bytes_and_tokens_per_rank():
     assert plan_memory(v3, replace(layout, attn_tp_size=1)).weights_per_rank > plan.weights_per_rank
 
 
+@pytest.mark.parametrize("alias, fp8_block, tp, dp, ep", [
+    ("deepseek-v3", BLOCK, 8, 8, 1), ("deepseek-v3", BLOCK, 8, 2, 8), ("deepseek-v3", BLOCK, 8, 1, 8),
+    ("tiny", None, 4, 2, 4),
+])
+def test_dp_attention_and_ep_bytes_match_the_sharded_model(alias, fp8_block, tp, dp, ep):
+    """Sizing's bytes per rank under DP attention (attention and vocab over tp / dp ranks) and EP (whole
+    experts) against the real model's parameters cut by the same group's specs."""
+    from engine.model.builder import make_modules
+    from engine.weights.loader import iter_params
+    from tests.distributed.test_model_ep import _group
+
+    cfg = config(alias).with_num_layers(5) if alias == "deepseek-v3" else config(alias)
+    w = weight_bytes(cfg, tp, 2, fp8_block, include_mtp=False, attn_tp_size=tp // dp)
+    for rank in (0, tp - 1):
+        with torch.device("meta"):
+            mods = make_modules(cfg, cfg.num_hidden_layers, torch.bfloat16, fp8_block, _group(rank, tp, ep, dp),
+                                mtp=False)
+        got = sum(p.numel() * p.element_size() for _, p in iter_params(mods))
+        assert abs(got - w.params_per_rank()) <= 0.01 * got, (alias, tp, dp, ep, rank, got, w.params_per_rank())
+
+
+def test_dp_attention_job_holds_dp_pools():
+    """Acceptance 3: each DP group has its own pool, so the job's KV tokens are dp x a GPU's; plain TP holds
+    one (duplicated) copy. A DP-attention GPU holds more attention weights, so slightly fewer tokens per GPU."""
+    v3 = config("deepseek-v3")
+    tp8 = plan_memory(v3, Layout(tp_size=8, gpu_bytes=141 * GIB, fp8_block=BLOCK))
+    dp8 = plan_memory(v3, Layout(tp_size=8, gpu_bytes=141 * GIB, fp8_block=BLOCK, attn_tp_size=1))
+    ep8 = plan_memory(v3, Layout(tp_size=8, gpu_bytes=141 * GIB, fp8_block=BLOCK, ep_size=8))
+    assert tp8.job_kv_tokens == tp8.kv_tokens and dp8.job_kv_tokens == 8 * dp8.kv_tokens
+    assert 0.5 * tp8.kv_tokens < dp8.kv_tokens < tp8.kv_tokens
+    assert dp8.job_kv_tokens > 4 * tp8.job_kv_tokens
+    assert ep8.kv_tokens == tp8.kv_tokens
+
+
 def test_fail_fast_says_what_it_needs_and_what_fits():
     v3 = config("deepseek-v3")
     h100 = Layout(tp_size=8, gpu_bytes=80 * GIB, fp8_block=BLOCK)
@@ -113,3 +147,4 @@ def test_table_command(capsys):
     out = capsys.readouterr().out
     assert "TP 8 on 8 x H200 (141 GB)" in out and "TP 16 on 2 x 8 x H100 (80 GB)" in out
     assert "does not fit (try --tp 16 --nnodes 2)" in out
+    assert "TP 8 + DP attention 8 on 8 x H200" in out and "TP 8 + EP 8 on 8 x H200" in out

@@ -50,8 +50,9 @@ def test_replace_routes_flat_flags_to_their_groups_and_keeps_the_original():
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(dp_size=2), "arrives with DP attention"),
-    (dict(ep_size=2, tp_size=2), "arrive with expert parallelism"),
+    (dict(dp_size=2), "needs --enable-dp-attention"),
+    (dict(ep_size=2, tp_size=4), "must equal --tp 4"),
+    (dict(enable_dp_attention=True, dp_size=3, tp_size=4), "dividing --tp 4"),
     (dict(nnodes=2, tp_size=2), "needs --dist-init-addr"),
     (dict(tp_size=0), "--tp-size must be >= 1"),
 ])

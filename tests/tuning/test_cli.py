@@ -34,6 +34,8 @@ def test_dry_run_ep_and_fp8_shapes():
     res = _invoke("tune-moe", "--model", "deepseek-v3", "--tp", "8", "--ep", "8", "--dry-run", "--batch-sizes", "1,64")
     assert res.exit_code == 0, res.output
     assert "E=32 N=2048" in res.output
+    res = _invoke("tune-moe", "--model", "deepseek-v3", "--tp", "8", "--ep-size", "8", "--dry-run", "--batch-sizes", "1")
+    assert res.exit_code == 0 and "E=32 N=2048" in res.output, res.output  # the engine's flag name works too
     res = _invoke("tune-fp8", "--model", "deepseek-v3", "--tp", "8", "--dry-run", "--shapes", "1536x7168,7168x2048",
                   "--batch-sizes", "1,64")
     assert res.exit_code == 0, res.output
