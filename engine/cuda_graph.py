@@ -12,6 +12,11 @@ for batch sizes up to --torch-compile-max-bs.
 backends' host-side planning outside the graph: before each capture (on the dummy
 batch) and before each replay (on the padded batch, whose host lengths it reads);
 backends whose kernels read lengths from device tensors do nothing there.
+
+Under DP attention (engine/distributed/dp_attention.py) the runner picks one padded size for every
+DP group (`replay(fb, bs)`), and a group with no work replays that size on padding rows alone
+(`replay_padding`). `capture=False` keeps the static buffers and the padding but runs the forward
+eagerly at replay: the CPU tests drive the padded paths (DP attention's included) through it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -31,8 +36,9 @@ log = logging.getLogger(__name__)
 class CudaGraphRunner:
     def __init__(self, forward: Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor]], batch_sizes: list[int],
                  padding_row: int, device: torch.device, compiled_forward=None, compile_max_bs: int = 0,
-                 prepare: Callable[[ForwardBatch, int], None] = lambda fb, bs: None):
+                 prepare: Callable[[ForwardBatch, int], None] = lambda fb, bs: None, capture: bool = True):
         self.sizes = sorted(batch_sizes)
+        self.forward = forward
         self.max_bs = self.sizes[-1]
         self.padding_row = padding_row
         self.prepare = prepare
@@ -46,6 +52,9 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batches: dict[int, ForwardBatch] = {}  # the static batch each graph was captured with
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if not capture:  # padded static batches, run eagerly at replay (CPU tests of the padded paths)
+            self.batches = {bs: self._batch(bs) for bs in self.sizes}
+            return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         for bs in reversed(self.sizes):
@@ -76,23 +85,35 @@ class CudaGraphRunner:
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.mode is ForwardMode.DECODE and 0 < fb.batch_size <= self.max_bs
 
-    def replay(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, fb: ForwardBatch, bs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run decode batch fb through the graph of size `bs` (default: the smallest captured size that
+        holds it); rows past fb's are padding."""
         b = fb.batch_size
-        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        bs = bs or self.sizes[bisect.bisect_left(self.sizes, b)]
         self.input_ids[:b].copy_(fb.input_ids)
         self.positions[:b].copy_(fb.positions)
         self.req_pool_indices[:b].copy_(fb.req_pool_indices)
         self.seq_lens[:b].copy_(fb.seq_lens)
         self.out_cache_loc[:b].copy_(fb.out_cache_loc)
+        logits, hidden = self._run_padded(b, bs, list(fb.seq_lens_cpu))
+        return logits[:b], hidden[:b]
+
+    def replay_padding(self, bs: int) -> None:
+        """Replay the graph of size bs on padding rows only (a DP-attention group with no work of its own
+        while the other groups replay this size: it still joins the graph's collectives)."""
+        self._run_padded(0, bs, [])
+
+    def _run_padded(self, b: int, bs: int, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         if bs > b:
             self.input_ids[b:bs].zero_()
             self.positions[b:bs].zero_()
             self.req_pool_indices[b:bs].fill_(self.padding_row)
             self.seq_lens[b:bs].fill_(1)
             self.out_cache_loc[b:bs].zero_()
-        lens = list(fb.seq_lens_cpu) + [1] * (bs - b)  # host copy of what the static buffers now hold
-        self.prepare(dataclasses.replace(self.batches[bs], seq_lens_cpu=lens, prefix_lens_cpu=[n - 1 for n in lens]),
-                     bs)
+        lens = lens + [1] * (bs - b)  # host copy of what the static buffers now hold
+        batch = dataclasses.replace(self.batches[bs], seq_lens_cpu=lens, prefix_lens_cpu=[n - 1 for n in lens])
+        self.prepare(batch, bs)
+        if bs not in self.graphs:  # built with capture=False
+            return self.forward(batch)
         self.graphs[bs].replay()
-        logits, hidden = self.outputs[bs]
-        return logits[:b], hidden[:b]
+        return self.outputs[bs]

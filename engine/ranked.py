@@ -75,9 +75,6 @@ def check_launch(args: EngineArgs, resolved: Optional[ResolvedModel] = None) -> 
     block = fp8_kept(args, resolved, device.type)
     if pc.tp_size > 1:
         check_model_divisible(cfg, pc.tp_size, block, ep_size=pc.ep_size, attn_tp_size=pc.attn_tp_size)
-    if pc.dp_size > 1 and device.type == "cuda" and not args.kernels.disable_cuda_graph:
-        raise UsageError("--enable-dp-attention does not capture CUDA graphs yet (every DP group would have to "
-                         "replay the padded global batch in step): add --disable-cuda-graph")
     if device.type == "cuda":
         _check_fits(args, cfg, block, pc, torch.cuda.get_device_properties(pc.gpu_id(0)).total_memory)
     return resolved
@@ -132,9 +129,10 @@ def open_engine(args: EngineArgs):
 
 
 class RankedEngine:
-    """--tp N engine ranks driven from this process (offline generation, tests)."""
+    """--tp N engine ranks driven from this process (offline generation, tests). `rank_main`: each rank's
+    entry point (default `engine_main`; tests pass it a `make_engine`)."""
 
-    def __init__(self, args: EngineArgs, resolved: Optional[ResolvedModel] = None):
+    def __init__(self, args: EngineArgs, resolved: Optional[ResolvedModel] = None, rank_main=None):
         from engine.distributed.launch import start_ranks, with_local_init_addr
         from engine.server.engine_process import engine_main
         from engine.server.protocol import EngineInfo
@@ -152,7 +150,7 @@ class RankedEngine:
         ctx = mp.get_context("spawn")
         to_r, self._to = ctx.Pipe(duplex=False)
         self._from, from_w = ctx.Pipe(duplex=False)
-        self._ranks = start_ranks(engine_main, pc.ranks_per_node, (self.args, to_r, from_w))
+        self._ranks = start_ranks(rank_main or engine_main, pc.ranks_per_node, (self.args, to_r, from_w))
         to_r.close()
         from_w.close()
         self._ids = itertools.count()

@@ -97,7 +97,7 @@ class ModelRunner:
         self.forwards = 0  # forwards run (real or idle): DP attention's step loop checks one ran per step
         if self.setup.cuda_graphs:
             with _timed(phases, "CUDA graphs"):
-                self._capture_cuda_graphs()
+                self.build_graph_runner(list(self.setup.graph_batch_sizes))
         self._report(phases)
 
     def _report(self, phases: dict[str, float]) -> None:
@@ -181,43 +181,63 @@ class ModelRunner:
                 "--num-layers, or set --max-total-tokens")
         return int(budget // per_token)
 
-    def _capture_cuda_graphs(self) -> None:
+    def build_graph_runner(self, batch_sizes: list[int], capture: bool = True) -> None:
+        """Decode at `batch_sizes` through padded static batches: CUDA graphs (torch.compile'd below
+        --torch-compile-max-bs when enabled); capture=False runs them eagerly (CPU tests)."""
         from engine.cuda_graph import CudaGraphRunner
 
         compiled = None
-        if self.args.kernels.enable_torch_compile:
+        if capture and self.args.kernels.enable_torch_compile:
             import torch._inductor.config as inductor_config
 
             # Round intermediates to bf16 where eager does, so compiled decode matches eager greedy output.
             inductor_config.emulate_precision_casts = True
             compiled = torch.compile(self._forward_eager, dynamic=False)
         with torch.inference_mode():
-            self.graphs = CudaGraphRunner(self._forward_eager, list(self.setup.graph_batch_sizes),
-                                          self.req_to_token.padding_row, self.device, compiled,
-                                          self.args.kernels.torch_compile_max_bs, prepare=self.forward_ctx.begin_forward)
+            self.graphs = CudaGraphRunner(self._forward_eager, batch_sizes, self.req_to_token.padding_row,
+                                          self.device, compiled, self.args.kernels.torch_compile_max_bs,
+                                          prepare=self._prepare_graph, capture=capture)
 
     # ---- forward -----------------------------------------------------------
     def _forward_eager(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model.hidden_states(fb, self.forward_ctx)
         return self.model.logits(hidden[fb.logits_indices]), hidden
 
+    def _prepare_graph(self, fb: ForwardBatch, bs: int) -> None:
+        """Before a CUDA graph's capture or replay (fb: its padded static batch of size bs): the backends'
+        host planning and, under DP attention, the gathers every group records at that same padded size
+        (`uniform`), so that they are fixed shapes."""
+        if self.dp_attention:
+            from engine.distributed.dp_attention import uniform
+
+            self.forward_ctx.dp = uniform(self.parallel.tp, bs)
+        self.forward_ctx.begin_forward(fb, bs)
+
     @property
     def dp_attention(self) -> bool:
         return self.parallel.tp.dp_size > 1
 
-    def _agree_dp(self, tokens: int) -> None:
-        """DP attention: exchange this forward's token counts with every DP group (a no-op otherwise)."""
+    def _agree_dp(self, tokens: int, graphable: bool = False) -> Optional[int]:
+        """DP attention: agree on this forward with every DP group (a no-op otherwise); returns the padded
+        size whose CUDA graph every group replays, or None for an eager forward."""
         self.forwards += 1
-        if self.dp_attention:
-            from engine.distributed.dp_attention import exchange_counts
+        if not self.dp_attention:
+            return None
+        from engine.distributed.dp_attention import exchange_counts
 
-            self.forward_ctx.dp = exchange_counts(tokens, self.parallel.tp)
+        sizes = self.graphs.sizes if self.graphs is not None else ()
+        self.forward_ctx.dp, graph_bs = exchange_counts(tokens, self.parallel.tp, sizes, graphable)
+        return graph_bs
 
     @torch.inference_mode()
     def idle_forward(self) -> None:
-        """DP attention: this group has nothing to run while another may: join the token-count exchange
-        with 0 tokens and, if any group runs, every layer's gather / MLP / scatter with no tokens."""
-        self._agree_dp(0)
+        """DP attention: this group has nothing to run while another may: join the agreement with 0 tokens
+        and, if any group runs, every layer's gather / MLP / scatter with no tokens of its own (replaying
+        the agreed CUDA graph on padding rows when the others replay one)."""
+        graph_bs = self._agree_dp(0)
+        if graph_bs is not None:
+            self.graphs.replay_padding(graph_bs)
+            return
         if self.forward_ctx.dp is None or self.forward_ctx.dp.total == 0:
             return
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -226,9 +246,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
-        self._agree_dp(fb.num_tokens)
-        if self.graphs is not None and self.graphs.can_run(fb):
-            logits, hidden = self.graphs.replay(fb)
+        graphable = self.graphs is not None and self.graphs.can_run(fb)
+        graph_bs = self._agree_dp(fb.num_tokens, graphable)
+        if graph_bs is not None or (graphable and not self.dp_attention):
+            logits, hidden = self.graphs.replay(fb, graph_bs)
         else:
             self.forward_ctx.begin_forward(fb)
             logits, hidden = self._forward_eager(fb)

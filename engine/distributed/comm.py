@@ -56,14 +56,8 @@ def all_gather_last_dim(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """[..., D] on every rank -> [..., size * D], rank r's block at columns [r * D, (r + 1) * D)."""
     if group.size == 1:
         return x
-    import torch.distributed as dist
-
-    x = x.contiguous()
     # ranks' blocks stacked along dim 0 (the layout both NCCL and gloo accept), then moved to the last dim
-    out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, x, group=group.device_group)
-    out = out.view(group.size, *x.shape)
+    out = all_gather_rows(x, group).view(group.size, *x.shape)
     return out.movedim(0, -2).reshape(*x.shape[:-1], group.size * x.shape[-1])
 
 
