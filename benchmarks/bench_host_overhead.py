@@ -16,7 +16,8 @@ detokenized for the incremental stop-string check (uses the built-in tiny model'
 `--churn N` gives requests staggered lengths so that about N requests finish per step and as
 many new ones are admitted (prefill steps then alternate with decode steps; both are timed).
 `--waiting N` queues N more requests that the KV pool cannot hold (the request table could), so
-every step also tries, and fails, to admit one.
+every step also tries, and fails, to admit one. `--mixed` turns mixed batches on (--enable-mixed-chunk:
+the decodes run inside the prefill steps instead of alternating with them).
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def run(opts) -> dict:
     table = opts.requests + opts.waiting
     runner = FakeRunner(table, max_len, opts.requests * (opts.context + opts.max_new) + 16)
     outputs = OutputProcessor(_tokenizer(opts.stop), set(), max_len)
-    args = SchedulerArgs(max_running_requests=table, max_prefill_tokens=opts.context * 8, chunked_prefill_size=-1)
+    args = SchedulerArgs(max_running_requests=table, max_prefill_tokens=opts.context * 8, chunked_prefill_size=-1,
+                         enable_mixed_chunk=opts.mixed)
     sched = Scheduler(runner, outputs, args, radix_cache=True)
     g = torch.Generator().manual_seed(1)
     serial = iter(range(10**9))
@@ -162,12 +164,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--stop", action="store_true", help="two (never matching) stop strings per request")
     ap.add_argument("--churn", type=int, default=0, help="about this many requests finish (and start) per step")
     ap.add_argument("--waiting", type=int, default=0, help="requests queued that the KV pool cannot hold")
+    ap.add_argument("--mixed", action="store_true", help="mixed batches: decodes inside prefill steps (with --churn)")
     opts = ap.parse_args(argv)
     torch.set_num_threads(1)  # host work is single-threaded; extra threads only add noise here
     res = run(opts)
     print(f"{res['requests']} requests x {res['context']} context, stop strings {'on' if res['stop'] else 'off'}"
           f"{', churn ' + str(res['churn']) + '/step' if res['churn'] else ''}"
-          f"{', ' + str(res['waiting']) + ' waiting' if res['waiting'] else ''}: "
+          f"{', ' + str(res['waiting']) + ' waiting' if res['waiting'] else ''}"
+          f"{', mixed batches' if opts.mixed else ''}: "
           f"{res['mean_ms']:.3f} ms/step mean, {res['median_ms']:.3f} median, {res['p90_ms']:.3f} p90 "
           f"over {res['steps']} steps ({res['decode_steps']} decode steps; scheduler + output processing, "
           f"fake forward excluded)")

@@ -3,15 +3,19 @@
 Each row of dsctl/ablation_grid.py runs `python -m dsctl bench offline` with that
 row's flags in its own process, one after the other, so a crash, an out-of-memory
 or a start-up refusal costs only its row: the row shows ❌ with the first line of
-the error (the full output is kept in OUT_DIR/logs/). Flag combinations that
-EngineArgs.validate() refuses are marked ❌ with its message without starting a
-process (the engine would refuse them the same way at start-up). The results go to
+the error (the full output is kept in OUT_DIR/logs/). Flag combinations that the
+engine's launch checks refuse (EngineArgs.validate(), engine.ranked.check_launch: the
+parallel layout against this machine and the model) are marked ❌ with their message
+without starting a process (the engine would refuse them the same way at start-up). The results go to
 OUT_DIR/ablation.jsonl (one line per row) and OUT_DIR/ablation.png, and the table
-is printed (dsctl/ablation_report.py).
+is printed (dsctl/ablation_report.py). With --time-budget, a row still waiting when
+the budget is spent is ❌ without starting, and a running row is stopped at the budget,
+so a GPU job ends on time and still prints the table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import signal
@@ -33,6 +37,17 @@ class Settings:
     repeats: int = 1
     row_timeout: float = 1800.0
     out_dir: Path = Path("bench-ablation")
+    time_budget: Optional[float] = None  # seconds for the whole grid: rows not started by then are ❌
+
+
+def over_budget(index: int, row: Row, settings: Settings, spent: float) -> Optional[RowResult]:
+    """A row that is not started because --time-budget is spent (❌ with that reason)."""
+    from dsctl.flags import non_server_groups, to_argv
+
+    if settings.time_budget is None or spent < settings.time_budget:
+        return None
+    return RowResult(index, row.label, dict(row.state), to_argv(row.args, non_server_groups()), runnable=False,
+                     reason=f"not started: the --time-budget of {settings.time_budget:.0f} s was spent")
 
 
 @dataclass
@@ -99,13 +114,14 @@ def _refused(index: int, row: Row) -> Optional[RowResult]:
     """A row known not to run here (a CUDA-only feature on a CPU), or whose flags the engine would refuse at
     start-up (checked here as the engine checks them): no process needed."""
     from dsctl.flags import non_server_groups, to_argv
-    from engine.errors import UsageError
+    from engine.errors import DsctlError
+    from engine.ranked import check_launch, launch_args
 
     reason = row.refusal
     if reason is None:
         try:
-            row.args.validate()
-        except UsageError as exc:
+            check_launch(launch_args(row.args.validate()))  # what `bench offline` checks before loading weights
+        except DsctlError as exc:
             reason = str(exc).splitlines()[0]
     if reason is None:
         return None
@@ -142,13 +158,18 @@ def run_ablation(rows: list[Row], settings: Settings) -> list[RowResult]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     results = []
+    start = time.monotonic()
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=Console(stderr=True), transient=True)
     with progress:
         task = progress.add_task("ablation", total=len(rows))
         for i, row in enumerate(rows, 1):
             progress.update(task, description=f"row {i}/{len(rows)}: {row.label}")
-            res = _refused(i, row) or run_row(i, row, settings)
+            spent = time.monotonic() - start
+            res = over_budget(i, row, settings, spent) or _refused(i, row)
+            if res is None:
+                left = settings.time_budget - spent if settings.time_budget is not None else settings.row_timeout
+                res = run_row(i, row, dataclasses.replace(settings, row_timeout=min(settings.row_timeout, left)))
             results.append(res)
             progress.advance(task)
             outcome = "ok" if res.runnable else f"not runnable: {res.reason}"

@@ -9,7 +9,9 @@ Two figures, each timed after an untimed warm-up of the same shape:
 Prompts are random token ids, a fresh set for every run, so the radix cache never
 turns a timed prefill into a cache hit; `ignore_eos` makes every request produce
 exactly `output_len` tokens. Lengths default to small values on CPU, larger on CUDA.
-`bench ablation` runs this command once per configuration.
+With --tp N the engine runs as N rank processes (engine.ranked.open_engine), so
+`bench ablation` can measure EP-MoE and DP attention rows; it runs this command once
+per configuration.
 """
 
 from __future__ import annotations
@@ -71,15 +73,25 @@ def _lengths(device_type: str, input_len, output_len, concurrency) -> tuple[int,
 def run_offline(args, input_len: Optional[int] = None, output_len: Optional[int] = None,
                 concurrency: Optional[int] = None, repeats: int = 1, progress=None) -> OfflineResult:
     """Build the Engine from `args` and measure (see the module docstring). `progress(text)` reports steps."""
-    from engine.engine import Engine
     from engine.errors import UsageError
+    from engine.ranked import open_engine
+    from engine.runner import pick_device, pick_dtype
 
     say = progress or (lambda text: None)
     if min(x for x in (input_len, output_len, concurrency, repeats) if x is not None) < 1:
         raise UsageError("--input-len, --output-len, --concurrency and --repeats must be >= 1")
     say("starting the engine")
-    engine = Engine(args)
-    ilen, olen, conc = _lengths(engine.runner.device.type, input_len, output_len, concurrency)
+    device = pick_device(args.model.device)
+    engine = open_engine(args)  # --tp N: N rank processes driven from here
+    try:
+        return _measure(engine, args, device, pick_dtype(args.model.dtype, device), input_len, output_len,
+                        concurrency, repeats, say)
+    finally:
+        getattr(engine, "close", lambda: None)()
+
+
+def _measure(engine, args, device, dtype, input_len, output_len, concurrency, repeats, say) -> OfflineResult:
+    ilen, olen, conc = _lengths(device.type, input_len, output_len, concurrency)
     prompts = _Prompts(min(engine.config.vocab_size, 32000), args.model.seed)
     say("warm-up")
     _timed_generate(engine, prompts.take(1, ilen), olen)
@@ -97,7 +109,7 @@ def run_offline(args, input_len: Optional[int] = None, output_len: Optional[int]
         total_rate.append((n + conc * ilen) / t_conc)
     med = statistics.median
     return OfflineResult(
-        model=args.model.model, device=str(engine.runner.device), dtype=str(engine.runner.dtype).replace("torch.", ""),
+        model=args.model.model, device=str(device), dtype=str(dtype).replace("torch.", ""),
         input_len=ilen, output_len=olen, concurrency=conc, repeats=repeats, decode_tok_s_bs1=med(decode),
         prefill_s_bs1=med(prefill), output_tok_s=med(out_rate), total_tok_s=med(total_rate))
 

@@ -7,6 +7,9 @@ request, then decodes `output_len - 1` steps greedily, timing each forward with 
 device sync. Reports medians with their spread (prefill min-max over repeats,
 decode p10-p90 over every step), as a rich table that fits the terminal and as
 JSON lines. `--profile` writes a torch profiler trace of one extra run per shape.
+With --speculative-algorithm the batch runs through the scheduler instead (the spec step lives
+there): one prefill step, then spec steps; decode tok/s counts every token a step emits, and the
+title gives the mean accepted length (tokens per request per step).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class OneBatchResult:
     median_decode_throughput_tok_s: float
     total_latency_s: float  # median over repeats
     overall_throughput_tok_s: float
+    accept_length: Optional[float] = None  # speculative decoding: tokens per request per decode step
 
 
 @dataclass
@@ -107,7 +111,38 @@ def _run_batch(runner, bs: int, input_len: int, output_len: int, seed: int) -> R
     return RunTimes(prefill, decode_times)
 
 
-def summarize(bs: int, input_len: int, output_len: int, runs: list[RunTimes]) -> OneBatchResult:
+def _run_batch_spec(eng, bs: int, input_len: int, output_len: int, seed: int) -> tuple[RunTimes, float]:
+    """Speculative decoding: the same static batch through a fresh scheduler (one prefill step, then spec
+    steps until every request has output_len tokens), each step timed; also the mean accepted length."""
+    import torch
+
+    from engine.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(seed + bs)
+    prompts = torch.randint(0, min(eng.config.vocab_size, 32000), (bs, input_len), generator=g).tolist()
+    eng.scheduler = sched = eng.make_scheduler(disable_radix_cache=True)  # no cache hits between runs
+    params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
+    reqs = [eng.make_request(p, params) for p in prompts]
+    for r in reqs:
+        sched.add(r)
+    _sync(eng.runner.device)
+    t0 = time.perf_counter()
+    while sched.waiting or sched.prefilling is not None:
+        sched.step()
+    sched.flush()
+    _sync(eng.runner.device)
+    prefill, steps = time.perf_counter() - t0, []
+    while not all(r.finished for r in reqs):
+        t0 = time.perf_counter()
+        sched.step()
+        _sync(eng.runner.device)
+        steps.append(time.perf_counter() - t0)
+    sched.take_outputs()
+    return RunTimes(prefill, steps), sched.spec.stats.mean
+
+
+def summarize(bs: int, input_len: int, output_len: int, runs: list[RunTimes],
+              accept_length: Optional[float] = None) -> OneBatchResult:
     prefills = [r.prefill_s for r in runs]
     steps = [t for r in runs for t in r.decode_s]
     prefill = statistics.median(prefills)
@@ -121,8 +156,9 @@ def summarize(bs: int, input_len: int, output_len: int, runs: list[RunTimes]) ->
         median_decode_latency_s=decode,
         decode_latency_p10_s=percentile(steps, 10) if steps else nan,
         decode_latency_p90_s=percentile(steps, 90) if steps else nan,
-        median_decode_throughput_tok_s=bs / decode if steps else nan,
+        median_decode_throughput_tok_s=bs * (accept_length or 1) / decode if steps else nan,
         total_latency_s=total, overall_throughput_tok_s=bs * (input_len + output_len) / total,
+        accept_length=accept_length,
     )
 
 
@@ -169,6 +205,8 @@ def bench(args, batch_sizes: list[int], input_len: Union[int, Sequence[int]], ou
     if args.model.max_model_len is None:
         args = args.replace(max_model_len=longest)
     args = args.replace(max_running_requests=max(args.scheduler.max_running_requests, max(batch_sizes)))
+    if args.speculative.enabled:
+        return _bench_spec(args, batch_sizes, input_lens, output_lens, result_file, repeats)
     shapes = _shapes(batch_sizes, input_lens, output_lens)
     results = []
     with _progress() as progress:
@@ -192,6 +230,36 @@ def bench(args, batch_sizes: list[int], input_len: Union[int, Sequence[int]], ou
     if result_file is not None:
         _write_results(result_file, meta, results)
     context = f"{meta['model']}, {meta['num_layers']} layers, {meta['device']} {meta['dtype']}"
+    return OneBatchRun(results, context)
+
+
+def _bench_spec(args, batch_sizes, input_lens, output_lens, result_file, repeats) -> OneBatchRun:
+    """`bench()` with speculative decoding: through the scheduler (the spec step lives there)."""
+    from engine.engine import Engine
+
+    longest = max(input_lens) + max(output_lens)
+    spec = args.speculative
+    room = max(batch_sizes) * (spec.speculative_num_draft_tokens + spec.speculative_num_steps * spec.speculative_eagle_topk)
+    args = args.replace(max_total_tokens=args.cache.max_total_tokens + room, chunked_prefill_size=-1,
+                        max_prefill_tokens=max(batch_sizes) * max(input_lens), max_model_len=longest + 16)
+    shapes, results = _shapes(batch_sizes, input_lens, output_lens), []
+    with _progress() as progress:
+        task = progress.add_task(f"loading {args.model.model}", total=len(shapes) * (1 + repeats))
+        eng = Engine(args)
+        for bs, ilen, olen in shapes:
+            _run_batch_spec(eng, bs, ilen, olen, args.model.seed)  # warm-up
+            progress.advance(task)
+            runs = [_run_batch_spec(eng, bs, ilen, olen, args.model.seed + 1 + k) for k in range(repeats)]
+            progress.advance(task, repeats)
+            results.append(summarize(bs, ilen, olen, [r for r, _ in runs],
+                                     statistics.mean(a for _, a in runs)))
+    meta = _meta(args, eng.runner)
+    if result_file is not None:
+        _write_results(result_file, meta, results)
+    accept = ", ".join(f"{r.accept_length:.2f}" for r in results)
+    context = (f"{meta['model']}, {meta['num_layers']} layers, {meta['device']} {meta['dtype']}, "
+               f"{spec.speculative_algorithm} {spec.speculative_num_steps}/{spec.speculative_eagle_topk}/"
+               f"{spec.speculative_num_draft_tokens}, accepted length {accept}")
     return OneBatchRun(results, context)
 
 

@@ -111,6 +111,9 @@ def ablation(
     out_dir: Path = typer.Option(Path("bench-ablation"), "--out-dir",
                                  help="Where ablation.jsonl, ablation.png and each row's log go (rewritten)."),
     row_timeout: float = typer.Option(1800.0, "--row-timeout", help="Seconds before a row is stopped (❌)."),
+    time_budget: Optional[float] = typer.Option(
+        None, "--time-budget", help="Seconds for the whole grid: rows not started by then are ❌, and a running "
+        "row is stopped when it is spent (default: no limit)."),
 ) -> None:
     """SGLang's DeepSeek ablation table on this machine: each optimisation on/off (where its flag exists),
     every row in its own process; runnable, decode tok/s at batch 1, output tok/s at a concurrency."""
@@ -121,7 +124,7 @@ def ablation(
     from dsctl.bench_ablation import Settings, run_ablation
 
     args.validate()
-    settings = Settings(input_len, output_len, concurrency, repeats, row_timeout, out_dir)
+    settings = Settings(input_len, output_len, concurrency, repeats, row_timeout, out_dir, time_budget)
     out_dir.mkdir(parents=True, exist_ok=True)
     cuda = _has_cuda(args.model.device)
     rows = make_rows(args, cuda=cuda, base_label="baseline")

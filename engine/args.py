@@ -4,7 +4,8 @@ Each group is a plain dataclass whose fields carry their CLI metadata (help text
 allowed values, aliases): `ModelArgs` (what to load and how), `CacheArgs` (the KV
 pool and the prefix cache), `SchedulerArgs` (what runs each step), `KernelArgs`
 (attention / MoE backends, CUDA graphs, torch.compile, tuned configs),
-`ParallelArgs` (one process per GPU: TP, DP attention, EP, multi-node) and `ServerArgs` (HTTP). `EngineArgs` holds one
+`ParallelArgs` (one process per GPU: TP, DP attention, EP, multi-node), `SpeculativeArgs` (NextN /
+MTP speculative decoding) and `ServerArgs` (HTTP). `EngineArgs` holds one
 of each; a layer receives only its group (the scheduler gets `args.scheduler`, the
 server `args.server`, ...).
 
@@ -55,9 +56,10 @@ class ModelArgs:
     """What to load, in which dtype, on which device."""
 
     model: str = flag(
-        "tiny",
+        "tiny-py",
         "Model: a registry alias (see `dsctl models`), a local checkpoint directory, "
-        "or a hub repo id already in the local cache.",
+        "or a hub repo id already in the local cache. Default: tiny-py, a small model trained on "
+        "Python's own sources that runs anywhere (tiny: the same architecture with random weights).",
     )
     revision: Optional[str] = flag(None, "Hub revision (branch, tag or commit) when MODEL is a repo id.")
     load_format: str = flag(
@@ -137,8 +139,8 @@ class SchedulerArgs:
         "(alone, or in chunks).",
     )
     chunked_prefill_size: int = flag(
-        8192, "Prefill long prompts in chunks of at most this many tokens, with decode steps of the running "
-        "requests in between (-1 disables chunking).",
+        8192, "Prefill long prompts in chunks of at most this many tokens per step, the running requests "
+        "decoding alongside (mixed batches: their tokens count in it) or in between (-1 disables chunking).",
     )
     schedule_policy: str = flag(
         "fcfs", "Order of waiting requests: 'fcfs' (arrival order) or 'lpm' (longest cached prefix first; "
@@ -147,6 +149,12 @@ class SchedulerArgs:
     disable_overlap_schedule: bool = flag(
         False, "Process each step's results before launching the next forward (by default the host work of "
         "step N overlaps the device work of step N+1).",
+    )
+    enable_mixed_chunk: bool = flag(
+        False, "Mixed batches: while a prompt is prefilled, the running requests decode their next token in the "
+        "same forward (one token each, counted in --chunked-prefill-size / --max-prefill-tokens) instead of "
+        "in a decode step of their own between prefill steps (off by default: no ITL gain measured on an "
+        "H100, docs/perf.md).",
     )
 
     def validate(self) -> None:
@@ -172,6 +180,11 @@ class KernelArgs:
         choices=("auto", "triton", "torch", "flashinfer"),
     )
     enable_flashinfer_mla: bool = flag(False, "Same as --attention-backend flashinfer (SGLang's flag name).")
+    disable_mla: bool = flag(
+        False, "Attention without MLA weight absorption (for ablations): the KV cache keeps every head's "
+        "expanded key and value (heads x (qk + v) values per token instead of the latent), so it holds far "
+        "fewer tokens. torch and triton attention backends (not flashinfer).",
+    )
     moe_backend: str = flag(
         "auto", "MoE expert kernels: 'triton' fused MoE (CUDA default) or 'torch' (reference; CPU default).",
         choices=("auto", "triton", "torch"),
@@ -208,6 +221,9 @@ class KernelArgs:
         if self.enable_flashinfer_mla and self.attention_backend not in ("auto", "flashinfer"):
             raise UsageError(f"--enable-flashinfer-mla selects the flashinfer attention backend, which contradicts "
                              f"--attention-backend {self.attention_backend}: give only one of them")
+        if self.disable_mla and self.attention == "flashinfer":
+            raise UsageError("--disable-mla keeps expanded per-head K/V, which FlashInfer's MLA wrapper cannot "
+                             "read: use --attention-backend triton or torch with it")
         if self.cuda_graph_max_bs < 1 or self.torch_compile_max_bs < 1:
             raise UsageError("--cuda-graph-max-bs and --torch-compile-max-bs must be >= 1")
         if self.cuda_graph_bs is not None:
@@ -280,6 +296,55 @@ class ParallelArgs:
 
 
 @dataclass
+class SpeculativeArgs:
+    """NextN (MTP) speculative decoding, EAGLE-2 style (engine/speculative/, docs/speculative.md)."""
+
+    speculative_algorithm: Optional[str] = flag(
+        None, "Speculative decoding: 'NEXTN' (or 'EAGLE', the same here) drafts a token tree with the "
+        "checkpoint's MTP/NextN layer and verifies it in one target forward. Off by default.",
+        choices=("NEXTN", "EAGLE"), aliases=("--speculative-algo",),
+    )
+    speculative_draft: Optional[str] = flag(
+        None, "A separate NextN draft checkpoint (directory, registry alias or cached hub id) whose MTP layer "
+        "drafts (default: the target checkpoint's own MTP layer).",
+        aliases=("--speculative-draft-model-path",),
+    )
+    # Defaults for batch 1: decode there is memory-bound, so verifying 8 tree nodes costs about what one
+    # token does; 3 draft steps x top-4 gives the EAGLE-2 re-ranking enough candidates (4 + 2 x 16) to
+    # fill 8 nodes with the likeliest paths (the issue's acceptance setting, SGLang's DeepSeek example).
+    speculative_num_steps: int = flag(3, "Draft steps: the deepest tree path (tokens gained per step: at most "
+                                         "this + 1).")
+    speculative_eagle_topk: int = flag(4, "Candidates kept per draft step and per expanded node.")
+    speculative_num_draft_tokens: int = flag(
+        8, "Tree nodes verified per request and step, the last accepted token included (at most "
+        "1 + steps x topk).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_algorithm is not None
+
+    def validate(self) -> None:
+        if self.speculative_algorithm is not None:
+            self.speculative_algorithm = self.speculative_algorithm.upper()
+        _check_choices(self)
+        if not self.enabled:
+            if self.speculative_draft is not None:
+                raise UsageError("--speculative-draft needs --speculative-algorithm NEXTN")
+            return
+        s, k, n = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
+        if s < 1 or k < 1:
+            raise UsageError(f"--speculative-num-steps and --speculative-eagle-topk must be >= 1 (got {s}, {k})")
+        if n < 2:
+            raise UsageError(f"--speculative-num-draft-tokens must be >= 2: the last accepted token and at least "
+                             f"one draft (got {n})")
+        if n > 1 + s * k:
+            raise UsageError(f"--speculative-num-draft-tokens {n} is more than the tree can hold: at most 1 + "
+                             f"--speculative-num-steps x --speculative-eagle-topk = {1 + s * k}; lower it or raise "
+                             "the steps / topk")
+
+
+@dataclass
 class ServerArgs:
     """The HTTP front end of `dsctl serve`."""
 
@@ -323,6 +388,7 @@ GROUPS: dict[str, tuple[type, str]] = {
     "scheduler": (SchedulerArgs, "Scheduling options"),
     "kernels": (KernelArgs, "Kernel and GPU options"),
     "parallel": (ParallelArgs, "Parallelism options"),
+    "speculative": (SpeculativeArgs, "Speculative decoding options"),
     "server": (ServerArgs, "Server options"),
 }
 _GROUP_OF = {f.name: g for g, (cls, _) in GROUPS.items() for f in dataclasses.fields(cls)}
@@ -347,6 +413,7 @@ class EngineArgs:
     scheduler: SchedulerArgs = field(default_factory=SchedulerArgs)
     kernels: KernelArgs = field(default_factory=KernelArgs)
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
+    speculative: SpeculativeArgs = field(default_factory=SpeculativeArgs)
     server: ServerArgs = field(default_factory=ServerArgs)
 
     @classmethod
@@ -373,7 +440,11 @@ class EngineArgs:
         self.scheduler.validate()
         self.kernels.validate()
         self.parallel.validate(self.model.device)
+        self.speculative.validate()
         self.server.validate()
+        if self.kernels.disable_mla and self.speculative.enabled:
+            raise UsageError("--disable-mla is an ablation of plain decoding, not built or tested with draft "
+                             "trees: drop --speculative-algorithm or --disable-mla")
         if self.scheduler.schedule_policy == "lpm" and self.cache.disable_radix_cache:
             raise UsageError("--schedule-policy lpm orders requests by their cached prefix and needs the radix "
                              "cache: drop --disable-radix-cache, or use --schedule-policy fcfs")

@@ -2,7 +2,9 @@
 
 The shipped configs (engine/model_configs/<config>.json) let `--load-format dummy
 --model deepseek-v3` build a real-shape model with no download. `tiny`, `tiny-fp8` and
-`tiny-fp8-tp` are built-in synthetic checkpoints (engine/weights/tiny.py).
+`tiny-fp8-tp` are built-in synthetic checkpoints (engine/weights/tiny.py). `tiny-py` is built in with
+trained weights shipped in the package (engine/model_weights/tiny-py/, made by scripts/train_tiny.py;
+docs/tiny_model.md): the default model, so a first request returns plausible text.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Optional
 
 
@@ -19,6 +22,7 @@ class ModelEntry:
     repo_id: Optional[str]  # None for built-in synthetic models
     config_name: str  # file stem under engine/model_configs/
     description: str
+    weights: Optional[str] = None  # built-in model with trained weights: its folder under engine/model_weights/
 
     def config_dict(self) -> dict:
         text = resources.files("engine").joinpath("model_configs", f"{self.config_name}.json").read_text()
@@ -27,6 +31,12 @@ class ModelEntry:
     @property
     def builtin(self) -> bool:
         return self.repo_id is None
+
+    def weights_dir(self) -> Optional[Path]:
+        """The shipped checkpoint directory of a built-in model with trained weights, else None."""
+        if self.weights is None:
+            return None
+        return Path(str(resources.files("engine").joinpath("model_weights", self.weights)))
 
 
 MODELS: dict[str, ModelEntry] = {
@@ -47,6 +57,8 @@ MODELS: dict[str, ModelEntry] = {
             "deepseek-v2-lite",
             "V2-Lite coder (instruct)",
         ),
+        ModelEntry("tiny-py", None, "tiny-py", "built-in V3-architecture model (+ MTP) trained on the Python "
+                   "stdlib's sources; the default", weights="tiny-py"),
         ModelEntry("tiny", None, "tiny", "built-in random V3-architecture model for CPU tests and demos"),
         ModelEntry("tiny-fp8", None, "tiny-fp8", "built-in tiny model with 128x128 block-FP8 weights"),
         ModelEntry("tiny-fp8-tp", None, "tiny-fp8-tp",

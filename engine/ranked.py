@@ -59,6 +59,7 @@ def check_launch(args: EngineArgs, resolved: Optional[ResolvedModel] = None) -> 
 
     from engine.distributed.parallel_config import check_model_divisible
     from engine.runner import pick_device
+    from engine.speculative.draft_model import check_spec_launch
 
     args.validate()
     resolved = resolved or resolve_model(args.model)
@@ -73,6 +74,7 @@ def check_launch(args: EngineArgs, resolved: Optional[ResolvedModel] = None) -> 
     if args.model.num_layers:
         cfg = cfg.with_num_layers(args.model.num_layers)
     block = fp8_kept(args, resolved, device.type)
+    check_spec_launch(args, resolved)
     if pc.tp_size > 1:
         check_model_divisible(cfg, pc.tp_size, block, ep_size=pc.ep_size, attn_tp_size=pc.attn_tp_size)
     if device.type == "cuda":

@@ -73,15 +73,27 @@ def registry_tokenizer(name: str, revision: Optional[str] = None) -> Optional[tu
     if entry is None:
         return None
     if entry.builtin:
-        from engine.weights.tiny import materialize
-
-        return materialize(entry.alias, entry.config_dict()), "generated"
+        return builtin_path(entry), "generated"
     path = _cached_snapshot(entry.repo_id, revision)
     if has_tokenizer(path):
         return path, "checkpoint"
     from engine.dummy_tokenizer import generated_tokenizer_dir
 
     return generated_tokenizer_dir(parse_config(entry.config_dict())), "generated"
+
+
+def builtin_path(entry: ModelEntry) -> Path:
+    """The checkpoint directory of a built-in model: its shipped trained weights (`tiny-py`), or the
+    synthetic checkpoint, generated on first use (`tiny`, `tiny-fp8`, ...)."""
+    shipped = entry.weights_dir()
+    if shipped is not None:
+        if not (shipped / "config.json").is_file():
+            raise CheckpointError(f"the shipped weights of {entry.alias} are missing from this installation "
+                                  f"({shipped}); reinstall dsctl or train them with scripts/train_tiny.py")
+        return shipped
+    from engine.weights.tiny import materialize
+
+    return materialize(entry.alias, entry.config_dict())
 
 
 def _cached_snapshot(repo_id: str, revision: Optional[str]) -> Optional[Path]:
@@ -99,9 +111,7 @@ def resolve_model(args: ModelArgs) -> ResolvedModel:
     entry = lookup(args.model)
     local = Path(args.model).expanduser()
     if entry is not None and entry.builtin:
-        from engine.weights.tiny import materialize
-
-        path = materialize(entry.alias, entry.config_dict())
+        path = builtin_path(entry)
         cfg = load_config(path)
     elif local.is_dir():
         path, cfg = local, load_config(local)

@@ -24,7 +24,7 @@ from engine.distributed.comm import all_reduce_min_int, broadcast_tensor
 from engine.distributed.groups import ParallelState, single_process
 from engine.errors import UsageError
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.memory.pools import KVPool, ReqToTokenPool
+from engine.memory.pools import KVPool, ReqToTokenPool, kv_row_dim
 from engine.model.backends import ATTENTION_BACKENDS, MOE_BACKENDS, BackendSetup
 from engine.model.context import ForwardContext
 from engine.model.rope import RotaryEmbedding
@@ -86,7 +86,7 @@ class ModelRunner:
         self.max_model_len = min(args.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.setup = BackendSetup(self.config, self.device, self.dtype, self._kv_dtype(),
                                   tuple(self._graph_batch_sizes()), interpreting(),
-                                  tp_size=self.parallel.tp.attention.size)
+                                  tp_size=self.parallel.tp.attention.size, expanded_kv=args.kernels.disable_mla)
         self.attention_backend, self.moe_backend = self._pick_backends()
         phases = {}
         with _timed(phases, "weights"):
@@ -152,6 +152,15 @@ class ModelRunner:
         self.model, self.mtp = build_model(r.config, self.num_layers, self.dtype, self.device, self.fp8_block,
                                            self.parallel.tp, checkpoint=None if r.dummy else r.path,
                                            seed=self.args.model.seed)
+        if self.args.speculative.enabled:
+            from engine.speculative.draft_model import attach_draft
+
+            self.mtp = attach_draft(self, self.mtp)
+
+    @property
+    def kv_row_dim(self) -> int:
+        """Cached values per token per layer: the latent, or this rank's expanded heads with --disable-mla."""
+        return kv_row_dim(self.config, self.setup.local_heads, self.setup.expanded_kv)
 
     def _init_memory(self) -> None:
         cfg = self.config
@@ -161,17 +170,18 @@ class ModelRunner:
         size = self.args.cache.max_total_tokens or self._default_kv_tokens(cache_layers, kv_dtype)
         # every rank of a TP (or DP-attention) group holds the same token slots; DP groups have their own pools
         size = all_reduce_min_int(size, self.parallel.tp.attention)
-        self.kv_pool = KVPool(cache_layers, size, cfg.kv_cache_dim, kv_dtype, self.device)
+        self.kv_pool = KVPool(cache_layers, size, self.kv_row_dim, kv_dtype, self.device)
         rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, self.max_model_len + 1, self.device)
         attention = ATTENTION_BACKENDS.build(self.attention_backend, self.setup, self.kv_pool, self.req_to_token)
         moe = MOE_BACKENDS.build(self.moe_backend, self.setup)
-        self.forward_ctx = ForwardContext(self.kv_pool, self.req_to_token, rotary, attention, moe)
+        self.forward_ctx = ForwardContext(self.kv_pool, self.req_to_token, rotary, attention, moe,
+                                          expanded_kv=self.setup.expanded_kv)
 
     def _default_kv_tokens(self, cache_layers: int, kv_dtype: torch.dtype) -> int:
         """KV tokens that fit in --mem-fraction-static of the GPU after the weights (CPU: a fixed default)."""
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_TOKENS
-        per_token = cache_layers * self.config.kv_cache_dim * torch.finfo(kv_dtype).bits // 8
+        per_token = cache_layers * self.kv_row_dim * torch.finfo(kv_dtype).bits // 8
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * self.args.cache.mem_fraction_static - (total - free)
         if budget < per_token * 1024:
@@ -259,6 +269,22 @@ class ModelRunner:
         """Make every rank of the TP (DP attention: attention) group hold its rank 0's sampled token ids
         (in place; nothing to do in one process)."""
         return broadcast_tensor(tokens, 0, self.parallel.tp.attention)
+
+    @torch.inference_mode()
+    def forward_tree(self, fb: ForwardBatch, table, mtp: bool = False) -> ForwardOutput:
+        """Speculative decoding: an eager forward of the model (or, with `mtp`, the MTP layer) whose attention
+        reads `table` (engine/speculative/tree_table.py: one KV index list per tree node) instead of the
+        request table. Never a CUDA graph: the graphs hold the request table's address."""
+        from dataclasses import replace
+
+        self._agree_dp(fb.num_tokens)
+        ctx = replace(self.forward_ctx, req_to_token=table)
+        ctx.begin_forward(fb)
+        if mtp:
+            hidden = self.mtp(fb, ctx)
+            return ForwardOutput(logits=self.mtp.logits(hidden[fb.logits_indices]), hidden=hidden)
+        hidden = self.model.hidden_states(fb, ctx)
+        return ForwardOutput(logits=self.model.logits(hidden[fb.logits_indices]), hidden=hidden)
 
     @torch.inference_mode()
     def forward_mtp(self, fb: ForwardBatch) -> ForwardOutput:

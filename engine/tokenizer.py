@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from engine.errors import UsageError
 
@@ -21,12 +22,32 @@ class Tokenizer:
             self.hf = AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:  # noqa: BLE001 - surface as a user-facing error
             raise UsageError(f"cannot load the tokenizer from {path}: {exc}") from None
+        # Decoding is on the per-token path (stop strings, streamed text): call the Rust tokenizer directly
+        # when transformers' decode would add nothing to it (it converts and checks every id first).
+        self._fast = getattr(self.hf, "_tokenizer", None) if not self._cleans_up() else None
+
+    def _cleans_up(self) -> bool:
+        """Whether transformers' decode post-processes the Rust tokenizer's text (clean_up_tokenization)."""
+        hf = self.hf
+        if not getattr(hf, "clean_up_tokenization_spaces", False):
+            return False
+        bpe = type(getattr(getattr(hf, "backend_tokenizer", None), "model", None)).__name__ == "BPE"
+        return not bpe or bool(getattr(hf, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+                                       False))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._fast is not None and type(ids) is list:
+            return self._fast.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_fn(self, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+        """`decode` with the option bound: for per-token callers (incremental detokenization)."""
+        if self._fast is not None:
+            return partial(self._fast.decode, skip_special_tokens=skip_special_tokens)
+        return partial(self.decode, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-step set-up and run. Usage:
-#   bash scripts/quickstart.sh serve [dsctl serve flags...]   # set up, then serve the built-in tiny model
+#   bash scripts/quickstart.sh serve [dsctl serve flags...]   # set up, then serve the built-in tiny-py model
 #   bash scripts/quickstart.sh test  [pytest args...]         # set up, then run the whole test suite
 # Set-up: a virtual environment in .venv that can see the system's packages (so a machine that already
 # has torch, e.g. a GPU image, keeps its torch); torch==2.13.0 is installed only when none is importable.

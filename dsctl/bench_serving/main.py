@@ -24,6 +24,7 @@ from dsctl.bench_serving.metrics import Summary, summarize
 from dsctl.bench_serving.random_prompts import pick_form
 from dsctl.bench_serving.report import append_result, length_warnings, record, render
 from dsctl.bench_serving.runner import Load, first_model_card, run_load
+from dsctl.bench_serving.server_metrics import accept_length, spec_counts
 from dsctl.bench_serving.tokens import TokenCounter, first_tokenizer, load_tokenizer
 from engine.errors import DsctlError, UsageError
 
@@ -134,8 +135,10 @@ def run_serving(opts: ServingOptions, console: Console) -> Summary:
         failed = [r for r in results if not r.ok]
         console.print(f"warmup: {len(results) - len(failed)}/{len(results)} ok"
                       + (f" (first error: {failed[0].error})" if failed else ""))
+    spec_before = spec_counts(base, opts.api_key)
     results, duration = run_load(api, requests, load, opts.seed, tok)
     summary = summarize(results, duration, opts.slo_ttft_ms, opts.slo_tpot_ms)
+    summary.spec_accept_length = accept_length(spec_before, spec_counts(base, opts.api_key))
     title = f"bench serving: {api.model} @ {base}"
     render(summary, console, title)
     for line in length_warnings(summary, form, opts.ignore_eos):

@@ -60,6 +60,7 @@ class Summary:
     asked_output_tokens: int = 0
     prompt_len_mismatch: int = 0  # requests whose server-counted (usage) prompt length is not the one asked
     output_len_mismatch: int = 0  # ... whose usage completion_tokens is not max_tokens
+    spec_accept_length: Optional[float] = None  # dsctl server with speculative decoding: tokens per request-step
 
 
 def meets_slo(r: RequestResult, slo_ttft_ms: Optional[float], slo_tpot_ms: Optional[float]) -> bool:

@@ -35,6 +35,8 @@ def render(summary: Summary, console: Console, title: str) -> None:
     ]
     if s.goodput is not None:
         rows.append(("goodput (req/s within SLO)", f"{s.goodput:.2f} ({s.slo_met} requests)"))
+    if s.spec_accept_length is not None:
+        rows.append(("speculative accepted length", f"{s.spec_accept_length:.2f}"))
     for label, key in rows:
         table.add_row(label, key)
     if s.counted_by:

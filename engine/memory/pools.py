@@ -1,14 +1,26 @@
-"""Token-granular paged latent KV cache and the request -> token-slot table.
+"""Token-granular paged KV cache and the request -> token-slot table.
 
-`KVPool` holds, for every layer, one row per cached token of
-kv_lora_rank + qk_rope_head_dim values (the latent c_kv and the shared rope key).
-Slot 0 is a scratch slot that padded tokens write to; real tokens get slots
-1..size. `ReqToTokenPool` maps (request row, position) -> slot.
+`KVPool` holds, for every layer, one row per cached token. With MLA (the default) a
+row is kv_lora_rank + qk_rope_head_dim values (the latent c_kv and the shared rope
+key). With --disable-mla (no weight absorption) a row is every local head's expanded
+key and value, laid out [heads, qk_head_dim + v_head_dim] (`kv_row_dim`; under TP only
+this rank's heads). Slot 0 is a scratch slot that padded tokens write to; real tokens
+get slots 1..size. `ReqToTokenPool` maps (request row, position) -> slot.
 """
 
 from __future__ import annotations
 
 import torch
+
+from engine.config import ModelConfig
+
+
+def kv_row_dim(cfg: ModelConfig, local_heads: int, expanded: bool = False) -> int:
+    """Values one token holds per layer: the latent (kv_lora + rope), or with --disable-mla
+    (`expanded`) each of this rank's heads' k (qk_nope + qk_rope) and v."""
+    if expanded:
+        return local_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    return cfg.kv_cache_dim
 
 
 class KVPool:

@@ -20,6 +20,9 @@ q_b (or q_proj), kv_b and the absorbed w_kc / w_vc hold this rank's `H / tp` hea
 the matching input columns, and one all-reduce sums the ranks' o_proj outputs. `num_heads`
 is the local head count, which is all the backends see; the latent KV cache is the
 whole latent on every rank.
+
+With --disable-mla (`ctx.expanded_kv`) the layer instead caches each head's expanded
+key and value and runs plain multi-head attention: engine/model/attention_expanded.py.
 """
 
 from __future__ import annotations
@@ -101,11 +104,14 @@ class MLA(nn.Module):
         k_pe = latent[:, self.kv_lora_rank:]
         q_pe = ctx.rotary.apply(q_pe, fb.positions)
         k_pe = ctx.rotary.apply(k_pe, fb.positions)
-        ctx.kv_pool.write(self.layer_id, fb.out_cache_loc, torch.cat((c_kv, k_pe), dim=-1))
-        if fb.mode.is_decode:
-            out = ctx.attn_backend.decode(self, q_nope, q_pe, fb, ctx)
+        if ctx.expanded_kv:  # --disable-mla: per-head K/V in the cache (engine/model/attention_expanded.py)
+            out = ctx.attn_backend.expand_and_attend(self, q_nope, q_pe, c_kv, k_pe, fb, ctx)
         else:
-            out = ctx.attn_backend.extend(self, q_nope, q_pe, c_kv, k_pe, fb, ctx)
+            ctx.kv_pool.write(self.layer_id, fb.out_cache_loc, torch.cat((c_kv, k_pe), dim=-1))
+            if fb.mode.is_decode:
+                out = ctx.attn_backend.decode(self, q_nope, q_pe, fb, ctx)
+            else:
+                out = ctx.attn_backend.extend(self, q_nope, q_pe, c_kv, k_pe, fb, ctx)
         return comm.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.v_dim)), self.tp)
 
 

@@ -5,7 +5,9 @@ this setup and what to use instead) and a factory. `resolve` turns a flag value 
 registered name ('auto' is decided by `default_backend`, here only) and runs the check;
 `build` makes the backend object the runner puts into the `ForwardContext`.
 
-  attention (--attention-backend): torch (reference), triton (kernels/mla_*), flashinfer
+  attention (--attention-backend): torch (reference), triton (kernels/mla_*), flashinfer;
+                                   with --disable-mla (BackendSetup.expanded_kv) torch and triton
+                                   build the non-absorbed backends of engine/model/attention_expanded.py
   moe (--moe-backend):             torch (reference), triton (kernels/fused_moe)
 
 Factories import their modules lazily, so FlashInfer and the Triton kernels are only
@@ -42,6 +44,7 @@ class BackendSetup:
     graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes captured in CUDA graphs (empty: eager)
     interpret: bool = False  # Triton runs its CPU interpreter (kernels/interpret.py)
     tp_size: int = 1  # tensor-parallel ranks: each rank's attention runs num_attention_heads / tp_size heads
+    expanded_kv: bool = False  # --disable-mla: per-head K/V in the cache, no weight absorption
 
     @property
     def cuda_graphs(self) -> bool:
@@ -113,6 +116,10 @@ def check_triton(setup: BackendSetup) -> None:
 def check_flashinfer(setup: BackendSetup) -> None:
     from engine.model.attention_flashinfer import check_supported
 
+    if setup.expanded_kv:
+        raise UsageError("--disable-mla keeps expanded per-head K/V, which FlashInfer's MLA wrapper cannot read: "
+                         "use --attention-backend triton or torch with it")
+
     cfg = setup.config
     check_supported(setup.device, setup.dtype, setup.kv_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
@@ -120,16 +127,24 @@ def check_flashinfer(setup: BackendSetup) -> None:
 # ---- factories -------------------------------------------------------------------------------
 
 def torch_attention(setup: BackendSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool):
+    if setup.expanded_kv:
+        from engine.model.attention_expanded import TorchExpandedAttention
+
+        return TorchExpandedAttention()
     from engine.model.attention import TorchAttentionBackend
 
     return TorchAttentionBackend()
 
 
 def triton_attention(setup: BackendSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool):
-    from engine.model.attention_triton import TritonAttentionBackend
-
     cfg = setup.config
     per_token = setup.local_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    if setup.expanded_kv:
+        from engine.model.attention_expanded import TritonExpandedAttention
+
+        return TritonExpandedAttention(per_token * setup.dtype.itemsize)
+    from engine.model.attention_triton import TritonAttentionBackend
+
     return TritonAttentionBackend(per_token * setup.dtype.itemsize)
 
 

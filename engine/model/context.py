@@ -36,6 +36,7 @@ class ForwardContext:
     attn_backend: AttentionBackend
     moe_backend: MoEBackend
     dp: Optional[DPGather] = None  # DP attention: this forward's gather / scatter (set by the runner)
+    expanded_kv: bool = False  # --disable-mla: the pool holds per-head K/V (engine/model/attention_expanded.py)
 
     def begin_forward(self, fb: ForwardBatch, graph_bs: Optional[int] = None) -> None:
         """Host-side planning once per forward, before any layer runs (graph_bs: a CUDA graph's padded size)."""

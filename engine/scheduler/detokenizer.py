@@ -26,6 +26,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer  # anything with decode(ids, skip_special_tokens) -> str, or None
         self.skip_special = skip_special_tokens
+        # engine.tokenizer.Tokenizer hands out its fastest decode for this setting (one call per token)
+        fn = getattr(tokenizer, "decode_fn", None)
+        self._decode_ids = fn(skip_special_tokens) if fn is not None else None
         self.window: list[int] = []  # emitted context, then the tokens whose text is not emitted yet
         self.read = 0  # window[:read] is emitted context
         self.held = ""  # text of window[read:] held back (ends in U+FFFD), or ""
@@ -34,6 +37,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None or not ids:
             return ""
+        if self._decode_ids is not None:
+            return self._decode_ids(ids)
         return self.tokenizer.decode(ids, self.skip_special)
 
     def push(self, ids: list[int]) -> str:
@@ -41,24 +46,30 @@ class IncrementalDetokenizer:
         self.window.extend(ids)
         return self._advance(final=False)
 
+    def push_one(self, token_id: int) -> str:
+        """`push([token_id])` (the per-token path of stop strings, without building a list)."""
+        self.window.append(token_id)
+        return self._advance(final=False)
+
     def flush(self) -> str:
         """Return the remaining text, incomplete characters included."""
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        if self.read == len(self.window):
+        window = self.window
+        if self.read == len(window):
             return ""
         before = self._read_text
-        now = self._decode(self.window)
+        decode = self._decode_ids or self._decode  # (window is not empty here)
+        now = decode(window)
         if not final and (len(now) <= len(before) or now.endswith(REPLACEMENT)):
             self.held = now[len(before):]
             return ""  # nothing new yet, or the last character is still incomplete
         self.held = ""
-        if len(self.window) > 2 * CONTEXT_TOKENS:
-            self.window = self.window[-CONTEXT_TOKENS:]
-            now_read = self._decode(self.window)
+        if len(window) > 2 * CONTEXT_TOKENS:
+            window = self.window = window[-CONTEXT_TOKENS:]
+            now_read = decode(window)
         else:
             now_read = now
-        new = now[len(before):]
-        self.read, self._read_text = len(self.window), now_read
-        return new
+        self.read, self._read_text = len(window), now_read
+        return now[len(before):]

@@ -91,6 +91,15 @@ class RequestMemory:
             req.kv_len += 1
         return slots
 
+    def drop_decode_slots(self, reqs: list[Request]) -> None:
+        """Undo `append_decode_slots` for reqs (their step failed before computing the token): free the last
+        slot of each. Its table entry stays, beyond kv_len, unread until the next append overwrites it."""
+        slots = []
+        for req in reqs:
+            slots.append(req.decode_slots.pop())
+            req.kv_len -= 1
+        self.pool.free(torch.tensor(slots, dtype=torch.int64))
+
     @staticmethod
     def slots_of(req: Request) -> torch.Tensor:
         """All of req's slots, in token order."""

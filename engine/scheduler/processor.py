@@ -93,11 +93,12 @@ class OutputProcessor:
             self.finish(req, "length")
 
     def _stop_string(self, req: "Request", tok: int) -> Optional[tuple[str, str]]:
-        if not any(req.params.stop):
-            return None
-        if req.stop_matcher is None:
-            req.stop_matcher = StopStrings(req.params.stop, self.tokenizer, req.params.skip_special_tokens)
-        return req.stop_matcher.push(tok)
+        matcher = req.stop_matcher
+        if matcher is None:
+            if not any(req.params.stop):
+                return None
+            matcher = req.stop_matcher = StopStrings(req.params.stop, self.tokenizer, req.params.skip_special_tokens)
+        return matcher.push(tok)
 
     # ---- deltas ---------------------------------------------------------------------
     def _delta(self, req: "Request") -> RequestOutput:

@@ -50,6 +50,8 @@ class Request:
     prompt_lp_done: bool = False
     # Incremental stop-string matching (engine/scheduler/stops.py), made on the first token.
     stop_matcher: Optional[object] = None
+    # Speculative decoding: draft-KV progress and pending target hidden states (engine/speculative/decoder.py).
+    spec: Optional[object] = None
 
     @classmethod
     def new(cls, rid: str, prompt_ids: list[int], params: SamplingParams,

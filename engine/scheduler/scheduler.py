@@ -2,9 +2,15 @@
 
 Each `step()` launches one forward: an extend step (prefill of newly admitted
 requests on top of their cached prefix, and/or the next chunk of a long prompt)
-or a decode step (one token for every running request). After an extend step
-the next step decodes when anything is running, so long prefills never starve
-decodes.
+or a decode step (one token for every running request). With mixed batches
+(--enable-mixed-chunk; off by default) an extend step also carries one new token of
+every running request (an extend of 1 token on its cached prefix; the attention
+backends run such rows like decode), so streams keep advancing while long
+prompts arrive; those tokens count in the step's token budget. When that cannot
+be done (no budget or KV slots left for the decodes, or mixing off), after an
+extend step the next step decodes when anything is running, so long prefills
+never starve decodes. Steps without prefill work are plain decode steps (CUDA
+graphs); a mixed step runs eagerly, like every extend.
 
 Admission (`_build_extend`) takes waiting requests in policy order (fcfs or
 lpm) while the request table, --max-running-requests, the per-step prefill
@@ -25,9 +31,12 @@ Failures: if a step raises (an out-of-memory error, a kernel error, anything),
 the requests of that step's batch finish with reason "error" and the message,
 their KV is freed without being cached (it may be half written), and the
 scheduler goes on with the others; a request whose output processing raises
-fails alone (processor.py). After MAX_CONSECUTIVE_FAILED_STEPS failed steps in a
-row the error is raised: the device is presumably unusable, and the engine
-process ends (the server then reports it down) rather than fail every request.
+fails alone (processor.py). The decodes of a failed mixed step are not failed:
+they give back the slot of the token they did not get and run alone in the
+next step (the prefill is the likely cause; if they fail alone, they fail).
+After MAX_CONSECUTIVE_FAILED_STEPS failed steps in a row the error is raised:
+the device is presumably unusable, and the engine process ends (the server then
+reports it down) rather than fail every request.
 
 Overlap (default): step N launches its forward and sampling, then processes the
 results of step N-1 (append tokens, stop checks, detokenisation) while the
@@ -107,6 +116,7 @@ class Scheduler:
         if self.schedule_policy not in POLICIES:
             raise ValueError(f"unknown schedule policy {self.schedule_policy!r}")
         self.overlap = not args.disable_overlap_schedule
+        self.mixed = args.enable_mixed_chunk
         self.mem = RequestMemory(runner.kv_pool, runner.req_to_token, radix_cache)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # requests that decode (their prompt is prefilled)
@@ -115,9 +125,13 @@ class Scheduler:
         self._last_was_extend = False
         self.reservation = Reservation(runner.max_model_len)
         self._launching: list[Request] = []  # the batch of the forward being launched (failed if it raises)
+        self._riding: list[Request] = []  # the decodes of the mixed batch being launched (retried if it raises)
+        self._mix_after_failure = True  # False for one step after a mixed step failed: decodes go alone
         self._failed_in_a_row = 0
+        self.spec = None  # speculative decoding (engine/speculative/decoder.py), attached by Engine
         self._counters = {"prompt_tokens": 0, "prefix_cache_hit_tokens": 0, "retracted_requests": 0,
-                          "extend_steps": 0, "decode_steps": 0, "failed_steps": 0, "failed_requests": 0}
+                          "extend_steps": 0, "decode_steps": 0, "mixed_steps": 0, "failed_steps": 0,
+                          "failed_requests": 0}
 
     @property
     def cache(self):
@@ -159,9 +173,10 @@ class Scheduler:
         try:
             launch = self._schedule_and_launch()
         except Exception as exc:  # noqa: BLE001 - the batch fails, the engine goes on
+            self._unride()
             self._fail(self._launching, exc)
             launch = None
-        self._launching = []
+        self._launching, self._riding = [], []
         if self.overlap:
             previous, self._pending = self._pending, launch
             if previous is not None:
@@ -184,6 +199,7 @@ class Scheduler:
             "prefix_cache_hit_rate": c["prefix_cache_hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
             "prefilling": 1 if self.prefilling is not None else 0,
             **c,
+            **(self.spec.stats.as_dict() if self.spec is not None else {}),
         }
 
     def flush(self) -> None:
@@ -204,33 +220,51 @@ class Scheduler:
     def _decodable(self) -> list[Request]:
         """Running requests that need another token (those sure to stop at max_new_tokens are left out)."""
         limit = self.limits.max_model_len
-        return [r for r in self.running if not r.finished
-                and r.num_output + r.pending < r.params.max_new_tokens
-                and len(r.token_ids) + r.pending < limit]
+        out = []
+        for r in self.running:  # per step over the batch: attributes only, no property calls
+            n = len(r.token_ids) + r.pending
+            if r.finish_reason is None and n - r.prompt_len < r.params.max_new_tokens and n < limit:
+                out.append(r)
+        return out
 
     def _schedule_and_launch(self) -> Optional[Launch]:
         self._launching = []
         decodable = self._decodable()
-        if (self.prefilling is not None or self.waiting) and not (self._last_was_extend and decodable):
-            chunks = self._build_extend(len(decodable))
-            if chunks:
-                self._last_was_extend = True
-                return self._launch_extend(chunks)
+        if self.prefilling is not None or self.waiting:
+            mixed = self._can_mix(decodable)
+            if mixed or not (self._last_was_extend and decodable):
+                budget = self._step_budget() - (len(decodable) if mixed else 0)
+                chunks = self._build_extend(len(decodable), budget)
+                if chunks:
+                    self._last_was_extend = True
+                    return self._launch_extend(chunks, decodable if mixed else [])
         self._last_was_extend = False
         if decodable:
+            if self.spec is not None:  # a speculative step replaces the decode step (synchronous)
+                return self.spec.decode(self)
             reqs = self._prepare_decode(decodable)
             if reqs:
                 return self._launch_decode(reqs)
         return None
+
+    def _can_mix(self, decodable: list[Request]) -> bool:
+        """Whether this extend step can carry the decodes: mixing is on, prefill budget is left after one
+        token per decode, and a KV slot is free for each (evicting from the cache; never retracting).
+        Not with speculative decoding (its steps keep draft state that a plain decode would not advance),
+        nor in the step after a failed mixed step (the decodes then run alone)."""
+        ok, self._mix_after_failure = self._mix_after_failure, True
+        return bool(ok and self.mixed and self.spec is None and decodable and self._step_budget() > len(decodable)
+                    and self.mem.make_room(len(decodable)))
 
     def _step_budget(self) -> int:
         if self.chunked_prefill_size is None:
             return self.max_prefill_tokens
         return min(self.max_prefill_tokens, self.chunked_prefill_size)
 
-    def _build_extend(self, decoding: int) -> list[_Chunk]:
-        """This step's prefill work: the next chunk of the prompt in progress, then new admissions."""
-        budget, chunks, chunking = self._step_budget(), [], self.chunked_prefill_size is not None
+    def _build_extend(self, decoding: int, budget: int) -> list[_Chunk]:
+        """This step's prefill work within `budget` tokens: the next chunk of the prompt in progress, then new
+        admissions. `decoding` running requests need a KV slot each (this step when mixed, else the next)."""
+        chunks, chunking = [], self.chunked_prefill_size is not None
         if self.prefilling is not None:
             req = self.prefilling
             end = min(len(req.token_ids), req.kv_len + budget)
@@ -284,16 +318,16 @@ class Scheduler:
         if req.wants_prompt_logprobs:
             req.prompt_lp_partial = []
 
-    def _prepare_decode(self, reqs: list[Request]) -> list[Request]:
+    def _prepare_decode(self, reqs: list[Request], per_req: int = 1) -> list[Request]:
         """The decode batch (`reqs`: the decodable requests), with a KV slot available for each: evict from
         the cache, then retract the newest requests (a chunked prefill in progress first) if needed."""
-        if self.mem.make_room(len(reqs)):
+        if self.mem.make_room(len(reqs) * per_req):
             return reqs
         self._sync()  # finished requests may free memory; retraction needs processed state
         retracted = False
         while True:
             reqs = self._decodable()
-            if self.mem.make_room(len(reqs)):
+            if self.mem.make_room(len(reqs) * per_req):
                 break
             if self.prefilling is not None:  # the newest admission; it holds slots for its whole prompt
                 victim, self.prefilling = self.prefilling, None
@@ -326,7 +360,7 @@ class Scheduler:
         self._release_finished()
 
     def _release_finished(self) -> None:
-        if any(r.finished for r in self.running):
+        if any(r.finish_reason is not None for r in self.running):  # every step: an attribute, not a property
             done = [r for r in self.running if r.finished]
             self.running = [r for r in self.running if not r.finished]
             for req in done:
@@ -340,6 +374,14 @@ class Scheduler:
         self.mem.release(req, keep=req.finish_reason != "error")
 
     # ---- failures ----------------------------------------------------------------
+    def _unride(self) -> None:
+        """A mixed step raised before sampling: the prefill is the likely cause (a long prompt's memory), so
+        its decodes give back the KV slot they got (their tokens are not computed) and decode again next
+        step on their own; should that fail too, they fail then."""
+        if self._riding:
+            self.mem.drop_decode_slots(self._riding)
+            self._riding = []
+            self._mix_after_failure = False
     def _fail(self, batch: list[Request], exc: BaseException) -> None:
         """A step of `batch` raised: those requests finish with reason "error"; the rest go on."""
         self._counters["failed_steps"] += 1
@@ -358,7 +400,11 @@ class Scheduler:
             raise RuntimeError(f"{self._failed_in_a_row} steps in a row failed; the last: {message}") from exc
 
     # ---- forwards ----------------------------------------------------------
-    def _launch_extend(self, chunks: list[_Chunk]) -> Launch:
+    def _launch_extend(self, chunks: list[_Chunk], decodes: list[Request]) -> Launch:
+        """Prefill chunks and, in a mixed batch, one new token for each of `decodes` (placed after the chunks;
+        each is an extend of 1 token on its cached KV). Chunks sample on their prompt's last token only."""
+        if decodes and not self.mem.make_room(len(decodes)):
+            decodes = []  # admission kept room for them; should the cache not yield it, they decode next step
         self._launching = [c.req for c in chunks]
         ids, rows, prefix_lens, extend_lens, logits_idx, start = [], [], [], [], [], 0
         for c in chunks:
@@ -372,10 +418,24 @@ class Scheduler:
             elif c.final:
                 logits_idx.append(start + n - 1)
             start += n
-        slots = torch.cat([c.req.slots[c.start:c.end] for c in chunks])
-        fb = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, prefix_lens, extend_lens, slots, logits_idx,
-                                self.runner.device)
+        slots = [c.req.slots[c.start:c.end] for c in chunks]
+        if decodes:
+            slots.append(self.mem.append_decode_slots(decodes))
+            self._riding = decodes
+            for r in decodes:
+                p = r.kv_len - 1  # the new token's position (append_decode_slots advanced kv_len)
+                ids.append(r.token_ids[p] if not r.pending else 0)
+                rows.append(r.row)
+                prefix_lens.append(p)
+                extend_lens.append(1)
+            logits_idx += range(start, start + len(decodes))
+        fb = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, prefix_lens, extend_lens, torch.cat(slots),
+                                logits_idx, self.runner.device)
+        if any(r.pending for r in decodes):
+            fb.input_ids = torch.cat((fb.input_ids[:start], self._inputs_from_pending(decodes, fb.input_ids[start:])))
         out = self.runner.forward(fb)
+        if self.spec is not None:
+            self.spec.after_extend(chunks, out)
         launch, last_rows, row = Launch(sampled=[], sample=None), [], 0
         for c in chunks:
             req, n = c.req, c.end - c.start
@@ -400,8 +460,14 @@ class Scheduler:
                 self.running.append(c.req)
             else:
                 self.prefilling = c.req
+        if decodes:
+            last_rows += range(row, row + len(decodes))
+            launch.sampled += decodes
+            self._counters["mixed_steps"] += 1
+            self.reservation.decode_step()
         if launch.sampled:
-            launch.sample = self._sample(launch.sampled, out.logits[last_rows])
+            logits = out.logits if len(last_rows) == out.logits.shape[0] else out.logits[last_rows]
+            launch.sample = self._sample(launch.sampled, logits)
         self._counters["extend_steps"] += 1
         return launch
 

@@ -28,10 +28,12 @@ class StopStrings:
 
     def push(self, token_id: int) -> Optional[tuple[str, str]]:
         """Add one token; on a match return (the stop string, the whole text before it)."""
-        new = self.detok.push([token_id])
-        if not new and not self.detok.held:
+        detok = self.detok
+        new = detok.push_one(token_id)
+        held = detok.held
+        if not new and not held:
             return None  # no text (a skipped special token)
-        window = self.tail + new + self.detok.held
+        window = self.tail + new + held
         hits = [(window.find(s), s) for s in self.stops if s in window]
         if hits:
             pos, stop = min(hits)

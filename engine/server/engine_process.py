@@ -51,7 +51,8 @@ def scheduler_stats(scheduler, runner) -> protocol.EngineStats:
                                 kv_free_tokens=int(pool.available()),
                                 prefix_cache_tokens=extra["prefix_cache_tokens"],
                                 prefix_cache_hit_rate=extra["prefix_cache_hit_rate"],
-                                retracted_requests=extra["retracted_requests"])
+                                retracted_requests=extra["retracted_requests"],
+                                spec_accept_hist=extra.get("spec_accept_hist", ()))
 
 
 class EngineLoop:

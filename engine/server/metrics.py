@@ -3,7 +3,8 @@
 Counters and latency histograms are updated in the serving process as outputs
 arrive; the engine's load and memory gauges (running / waiting requests, KV
 pool usage and free tokens, prefix-cache holdings and hit rate) and its
-retraction counter are read from the latest EngineStats at scrape time. With DP attention
+retraction counter are read from the latest EngineStats at scrape time, and so is speculative decoding's
+accepted length (histogram dsctl_spec_accepted_tokens, gauge dsctl_spec_accept_length). With DP attention
 the engine also reports, per DP group (label dp_rank), the requests dispatched to it
 (counter) and its running + waiting requests (gauge).
 """
@@ -11,7 +12,7 @@ the engine also reports, per DP group (label dp_rank), the requests dispatched t
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 disable_created_metrics()  # no *_created series: they double the output and nobody here reads them
 
@@ -49,6 +50,7 @@ class _EngineCollector:
         yield CounterMetricFamily("dsctl_retracted_requests", "Requests preempted because decode ran out of KV "
                                   "(requeued and resumed by recompute).", value=float(s.retracted_requests))
         yield from _dp_metrics(s)
+        yield from _spec_metrics(s)
 
 
 def _dp_metrics(s):
@@ -64,6 +66,29 @@ def _dp_metrics(s):
         load.add_metric([str(rank)], float(busy))
     yield sent
     yield load
+
+
+def _spec_metrics(s):
+    """Speculative decoding: tokens each request gained per step (accepted drafts + the bonus token)."""
+    if not s.spec_accept_hist:
+        return
+    hist = HistogramMetricFamily("dsctl_spec_accepted_tokens", "Tokens a request gained per speculative step "
+                                 "(accepted draft tokens + 1); its mean is the accepted length.")
+    cum, buckets = 0, []
+    for n, count in enumerate(s.spec_accept_hist, start=1):
+        cum += count
+        buckets.append((str(n), float(cum)))
+    buckets.append(("+Inf", float(cum)))
+    hist.add_metric([], buckets, sum_value=float(sum(n * c for n, c in enumerate(s.spec_accept_hist, start=1))))
+    yield hist
+    steps = sum(s.spec_accept_hist)
+    mean = GaugeMetricFamily("dsctl_spec_accept_length", "Mean tokens per request per speculative step.")
+    mean.add_metric([], hist_mean(s.spec_accept_hist) if steps else 0.0)
+    yield mean
+
+
+def hist_mean(hist) -> float:
+    return sum(n * c for n, c in enumerate(hist, start=1)) / sum(hist)
 
 
 class ServerMetrics:

@@ -63,6 +63,8 @@ class EngineStats:
     retracted_requests: int = 0  # cumulative: requests preempted when decode ran out of KV (resumed later)
     dp_requests: tuple[int, ...] = ()  # DP attention, cumulative: requests dispatched to each DP group
     dp_running: tuple[int, ...] = ()  # DP attention: running + waiting requests of each DP group
+    # speculative decoding, cumulative: request-steps that emitted 1, 2, ... tokens (empty when off)
+    spec_accept_hist: tuple[int, ...] = ()
 
 
 @dataclass

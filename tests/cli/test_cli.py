@@ -84,6 +84,8 @@ def test_bad_flag_values(flag, value):
     (("--enable-flashinfer-mla", "--attention-backend", "triton"), "give only one"),
     (("--kv-cache-dtype", "fp8_e5m2"), "CUDA GPU"),
     (("--enable-torch-compile", "--disable-cuda-graph"), "--enable-torch-compile"),
+    (("--disable-mla", "--attention-backend", "flashinfer"), "FlashInfer's MLA wrapper cannot read"),
+    (("--disable-mla", "--enable-flashinfer-mla"), "--disable-mla keeps expanded per-head K/V"),
 ])
 def test_unsupported_combinations_rejected_at_startup(extra, needle):
     _one_line_error(dsctl("generate", "-p", "x", *extra), needle)

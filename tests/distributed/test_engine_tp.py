@@ -69,7 +69,9 @@ DPA = dict(enable_dp_attention=True)
     ("tiny", 2, EP), ("tiny", 4, EP), ("tiny-fp8", 2, EP), ("tiny-fp8", 4, EP),
     ("tiny", 2, dict(DPA, dp_size=2)), ("tiny", 4, dict(DPA, dp_size=2)), ("tiny-fp8", 2, dict(DPA, dp_size=2)),
     ("tiny", 2, dict(DPA, dp_size=2, **EP)),
-], ids=lambda v: "-".join(k for k in ("ep_size", "dp_size") if k in v) or "tp" if isinstance(v, dict) else None)
+    ("tiny", 2, dict(enable_mixed_chunk=True)),  # decodes inside prefill steps; the reference alternates them
+], ids=lambda v: "-".join(k for k in ("ep_size", "dp_size", "enable_mixed_chunk") if k in v) or "tp"
+   if isinstance(v, dict) else None)
 def test_greedy_tokens_identical_to_one_process(reference, model, tp, layout):
     prompts, ref = reference(model)
     layout = {k: tp if v is None else v for k, v in layout.items()}

@@ -121,7 +121,7 @@ def test_killing_a_rank_ends_the_server_with_its_name():
 
 def test_two_nodes_form_one_tp2_world(one_process_text):
     addr = f"127.0.0.1:{free_port()}"
-    common = ["--device", "cpu", "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    common = ["--model", "tiny", "--device", "cpu", "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr]
     log = tempfile.NamedTemporaryFile("w", prefix="dsctl-node1-", suffix=".log", delete=False)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     node1 = subprocess.Popen([sys.executable, "-m", "dsctl", "serve", *common, "--node-rank", "1"],

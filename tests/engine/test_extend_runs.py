@@ -22,7 +22,7 @@ PREFIX = [0, 20, 30, 25, 5, 0]
 EXTEND = [7, 3, 20, 18, 1, 4]  # requests 1 and 4 are prefix-cache hits (short extends over a prefix)
 
 
-def _setup():
+def _setup(prefix=PREFIX, extend=EXTEND):
     cfg = parse_config(lookup("tiny").config_dict())
     g = torch.Generator().manual_seed(0)
     layer = MLA(cfg, 0, torch.float32)
@@ -34,13 +34,13 @@ def _setup():
     table = ReqToTokenPool(8, 128, torch.device("cpu"))
     perm = torch.randperm(pool.size, generator=g) + 1
     rows, start = [], 0
-    for i, (p, n) in enumerate(zip(PREFIX, EXTEND)):
+    for i, (p, n) in enumerate(zip(prefix, extend)):
         table.set(i, 0, perm[start:start + p + n])
         rows.append(i)
         start += p + n
-    out_loc = torch.cat([table.slots(i, p + n, p) for i, (p, n) in enumerate(zip(PREFIX, EXTEND))])
-    fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * sum(EXTEND), rows, PREFIX, EXTEND, out_loc,
-                            list(range(sum(EXTEND))), torch.device("cpu"))
+    out_loc = torch.cat([table.slots(i, p + n, p) for i, (p, n) in enumerate(zip(prefix, extend))])
+    fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * sum(extend), rows, prefix, extend, out_loc,
+                            list(range(sum(extend))), torch.device("cpu"))
     return cfg, layer, pool, table, fb, g
 
 
@@ -80,3 +80,31 @@ def test_triton_extend_runs_match_torch_reference(alone):
         assert sum(isinstance(r, ExpandedRun) for r in backend.runs) == 4
     torch.testing.assert_close(outs["triton"], outs["torch"], atol=2e-2, rtol=2e-2)
     assert outs["torch"].abs().max() > 0.1
+
+
+def test_mixed_batch_decode_rows_equal_a_decode_step():
+    """A mixed batch (scheduler.py, --enable-mixed-chunk): prefill chunks, then running requests as extends of
+    one token on their KV. Both backends' extend rows of those requests equal what a decode step gives them."""
+    prefix, extend = [12, 0, 40, 3, 61], [20, 11, 1, 1, 1]
+    cfg, layer, pool, table, fb, g = _setup(prefix, extend)
+    t, h = fb.num_tokens, layer.num_heads
+    q_nope = torch.randn(t, h, layer.nope, generator=g)
+    q_pe = torch.randn(t, h, layer.rope_dim, generator=g)
+    new = pool.read(0, fb.out_cache_loc, torch.float32)
+    c_kv, k_pe = new[:, : cfg.kv_lora_rank], new[:, cfg.kv_lora_rank:]
+    per_token = h * (layer.nope + layer.rope_dim + layer.v_dim) * 4
+    triton = TritonAttentionBackend(per_token)
+    outs = {}
+    for name, backend in (("torch", TorchAttentionBackend()), ("triton", triton)):
+        ctx = ForwardContext(pool, table, None, backend, moe_backend=None)
+        ctx.begin_forward(fb)
+        outs[name] = backend.extend(layer, q_nope, q_pe, c_kv, k_pe, fb, ctx)
+    assert [type(r).__name__ for r in triton.runs] == ["ExpandedRun", "AbsorbedRun"]  # the decodes: one run
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=2e-2, rtol=2e-2)
+    dec = ForwardBatch.build(ForwardMode.DECODE, [0] * 3, [2, 3, 4], prefix[2:], [1, 1, 1], fb.out_cache_loc[-3:],
+                             [0, 1, 2], torch.device("cpu"))
+    ctx = ForwardContext(pool, table, None, TorchAttentionBackend(), moe_backend=None)
+    ref = ctx.attn_backend.decode(layer, q_nope[-3:], q_pe[-3:], dec, ctx)
+    torch.testing.assert_close(outs["torch"][-3:], ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs["triton"][-3:], ref, atol=2e-2, rtol=2e-2)
+    assert ref.abs().max() > 0.1

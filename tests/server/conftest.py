@@ -107,7 +107,8 @@ def _children(pid: int) -> list[int]:
 def launch(*flags: str, api_key: str | None = None) -> Server:
     port = free_port()
     log = tempfile.NamedTemporaryFile("w", prefix="dsctl-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "dsctl", "serve", "--port", str(port), *flags]
+    model = () if "--model" in flags else ("--model", "tiny")  # the random model unless a test names one
+    cmd = [sys.executable, "-m", "dsctl", "serve", "--port", str(port), *model, *flags]
     if api_key:
         cmd += ["--api-key", api_key]
     # A CPU server runs its torch code paths; the Triton interpreter that tests/conftest.py turns on for the

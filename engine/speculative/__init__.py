@@ -1,0 +1,8 @@
+"""NextN (MTP) speculative decoding, EAGLE-2 style: draft a token tree with the MTP layer, verify it in one
+target forward, accept the longest path the target agrees with (docs/speculative.md).
+
+Modules, one job each: `tree_table` (per-row KV index lists: tree attention as a batched decode),
+`draft` (the EAGLE-2 draft tree), `accept` (greedy and tree speculative sampling), `decoder` (the
+scheduler's spec step: draft, verify, accept, commit KV, hand tokens to the output processor),
+`draft_model` (a separate NextN checkpoint and the start-up checks), `stats` (accepted-length counters).
+"""

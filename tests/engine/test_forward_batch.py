@@ -1,0 +1,42 @@
+"""ForwardBatch.build: positions, lengths and token ids packed from host lists, for decode batches, extends
+with and without a prefix, mixed batches (chunks and 1-token extends), empty requests and empty batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.forward_batch import ForwardBatch, ForwardMode
+
+
+def _reference_positions(prefix, extend):
+    return [p + i for p, n in zip(prefix, extend) for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_build_matches_the_per_token_definition(seed):
+    rnd = random.Random(seed)
+    for _ in range(60):
+        b = rnd.randint(0, 24)
+        prefix = [rnd.randint(0, 5000) for _ in range(b)]
+        kind = rnd.choice(["decode", "mixed", "any"])
+        if kind == "decode":
+            extend = [1] * b
+        elif kind == "mixed":  # a few chunks, then 1-token extends
+            extend = [rnd.randint(1, 300) for _ in range(min(b, 2))] + [1] * max(b - 2, 0)
+        else:
+            extend = [rnd.choice([0, 1, 2, 17, 100]) for _ in range(b)]
+        t = sum(extend)
+        ids = [rnd.randint(0, 2**40) for _ in range(t)]  # large ids: no truncation to 32 bits
+        logits = sorted(rnd.sample(range(t), min(t, 5)))
+        fb = ForwardBatch.build(ForwardMode.EXTEND, ids, list(range(b)), prefix, extend, torch.arange(t),
+                                logits, torch.device("cpu"))
+        assert fb.positions.tolist() == _reference_positions(prefix, extend)
+        assert fb.input_ids.tolist() == ids
+        assert fb.seq_lens.tolist() == fb.seq_lens_cpu == [p + n for p, n in zip(prefix, extend)]
+        assert fb.extend_lens.tolist() == extend and fb.prefix_lens.tolist() == prefix
+        assert fb.logits_indices.tolist() == logits and fb.req_pool_indices.tolist() == list(range(b))
+        for x in (fb.input_ids, fb.positions, fb.seq_lens, fb.extend_lens, fb.prefix_lens, fb.logits_indices):
+            assert x.dtype == torch.int64
