@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from engine.weights.loader import iter_params
 from engine.weights.sharding import group_spec, is_scale, weight_name
 from kernels.fp8_math import FP8_DTYPE
 from tests.distributed.model_tp_targets import _checkpoint
+from tests.distributed.test_model_tp import _CountingFile
 
 BLOCK = (128, 128)
 
@@ -47,38 +50,17 @@ def _expected(name: str, full: dict, group: TPGroup, block):
     return full[name] if spec is None else spec.apply(full[name])
 
 
-class _Reads:
-    """Wraps safe_open: counts the elements read and records which expert tensors were touched."""
+class _Reads(_CountingFile):
+    """The TP tests' counting handle (whole-tensor reads refused, slice elements counted in
+    `_CountingFile.elements`) that also records which expert tensors were touched."""
 
-    elements = 0
     experts: set = set()
 
-    def __init__(self, handle):
-        self.handle = handle
-
     def get_slice(self, name):
-        import re
-
         m = re.search(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.", name)
         if m:
             _Reads.experts.add((int(m.group(1)), int(m.group(2))))
-        return _Slice(self.handle.get_slice(name))
-
-    def keys(self):
-        return self.handle.keys()
-
-
-class _Slice:
-    def __init__(self, sl):
-        self.sl = sl
-
-    def get_shape(self):
-        return self.sl.get_shape()
-
-    def __getitem__(self, index):
-        t = self.sl[index]
-        _Reads.elements += t.numel()
-        return t
+        return super().get_slice(name)
 
 
 @pytest.mark.parametrize("alias, block", [("tiny", None), ("tiny-fp8", BLOCK), ("tiny-fp8-tp", BLOCK)])
@@ -93,7 +75,7 @@ def test_each_ep_rank_loads_exactly_its_experts(alias, block, monkeypatch):
     for ep in (2, 4):
         per = cfg.n_routed_experts // ep
         for rank in range(ep):
-            _Reads.elements, _Reads.experts = 0, set()
+            _CountingFile.elements, _Reads.experts = 0, set()
             group = _group(rank, ep, ep=ep)
             model, mtp = build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, group, checkpoint=path)
             local = _params(model, mtp)
@@ -105,7 +87,7 @@ def test_each_ep_rank_loads_exactly_its_experts(alias, block, monkeypatch):
             assert {e for _, e in _Reads.experts} == set(range(rank * per, (rank + 1) * per))
             if alias == "tiny":  # bf16 -> float32: every element read is one element of a local parameter
                 unique = {id(p): p for p in local.values()}
-                assert _Reads.elements == sum(p.numel() for p in unique.values())
+                assert _CountingFile.elements == sum(p.numel() for p in unique.values())
 
 
 @pytest.mark.parametrize("alias, block, size, ep, dp", [

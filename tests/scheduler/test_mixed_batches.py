@@ -11,6 +11,7 @@ import torch
 from engine.engine import Engine
 from engine.forward_batch import ForwardMode
 from engine.sampling import SamplingParams
+from tests.scheduler.helpers import assert_settled, swap_scheduler
 
 BASELINE = dict(disable_radix_cache=True, chunked_prefill_size=-1, disable_overlap_schedule=True,
                 enable_mixed_chunk=False)
@@ -44,26 +45,6 @@ def _params(n, new=10):
             for i in range(n)]
 
 
-def _use(engine, **flags):
-    old = engine.scheduler
-    old.flush()
-    if old.cache is not None:
-        old.cache.evict_all()
-    engine.scheduler = engine.make_scheduler(**flags)
-    return engine.scheduler
-
-
-def _settled(engine, sched):
-    sched.flush()
-    assert not sched.has_work()
-    pool = engine.runner.kv_pool
-    held = sched.cache.all_slots() if sched.cache else torch.empty(0, dtype=torch.int64)
-    assert torch.cat((pool.free_slots(), held)).sort().values.tolist() == list(range(1, pool.size + 1))
-    if sched.cache:
-        assert sched.cache.protected_size() == 0
-    assert engine.runner.req_to_token.available() == engine.args.scheduler.max_running_requests
-
-
 def _same(a, b):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
@@ -75,7 +56,7 @@ def _same(a, b):
 @pytest.fixture(scope="module")
 def reference(engine):
     prompts = _prompts()
-    _use(engine, **BASELINE)
+    swap_scheduler(engine, **BASELINE)
     return prompts, engine.generate(input_ids=prompts, sampling_params=_params(len(prompts)))
 
 
@@ -88,17 +69,17 @@ def reference(engine):
 def test_mixed_outputs_identical_to_unmixed(engine, reference, flags):
     prompts, ref = reference
     params = _params(len(prompts))
-    off = _use(engine, enable_mixed_chunk=False, **flags)
+    off = swap_scheduler(engine, enable_mixed_chunk=False, **flags)
     got_off = engine.generate(input_ids=prompts, sampling_params=params)
     assert off.stats()["mixed_steps"] == 0
-    _settled(engine, off)
-    on = _use(engine, enable_mixed_chunk=True, **flags)
+    assert_settled(engine, off)
+    on = swap_scheduler(engine, enable_mixed_chunk=True, **flags)
     got_on = engine.generate(input_ids=prompts, sampling_params=params)
     stats = on.stats()
     assert stats["mixed_steps"] > 0
     # decodes ride along with prefills: fewer forwards for the same work
     assert stats["extend_steps"] + stats["decode_steps"] < off.stats()["extend_steps"] + off.stats()["decode_steps"]
-    _settled(engine, on)
+    assert_settled(engine, on)
     _same(got_off, ref)
     _same(got_on, ref)
 
@@ -107,10 +88,10 @@ def test_arrivals_while_decoding_identical(engine):
     """Requests arriving a few per step (prefills keep interleaving with decodes), overlap on and off."""
     prompts = _prompts(seed=4)
     params = _params(len(prompts), new=8)
-    _use(engine, **BASELINE)
+    swap_scheduler(engine, **BASELINE)
     ref = engine.generate(input_ids=prompts, sampling_params=params)
     for overlap in (True, False):
-        sched = _use(engine, chunked_prefill_size=12, disable_overlap_schedule=not overlap, enable_mixed_chunk=True)
+        sched = swap_scheduler(engine, chunked_prefill_size=12, disable_overlap_schedule=not overlap, enable_mixed_chunk=True)
         reqs = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
         queue = list(reqs)
         while queue or sched.has_work():
@@ -121,7 +102,7 @@ def test_arrivals_while_decoding_identical(engine):
         sched.flush()
         assert sched.stats()["mixed_steps"] > 0
         assert [r.output_ids for r in reqs] == [o.token_ids for o in ref]
-        _settled(engine, sched)
+        assert_settled(engine, sched)
 
 
 def test_decode_advances_in_the_same_forward_as_a_prefill_chunk(engine):
@@ -133,7 +114,7 @@ def test_decode_advances_in_the_same_forward_as_a_prefill_chunk(engine):
     shorts, long = [_rand(g, 5), _rand(g, 7)], _rand(g, 90)
     chunk = 12
     for mixed in (True, False):
-        sched = _use(engine, chunked_prefill_size=chunk, disable_overlap_schedule=True, enable_mixed_chunk=mixed)
+        sched = swap_scheduler(engine, chunked_prefill_size=chunk, disable_overlap_schedule=True, enable_mixed_chunk=mixed)
         runner, batches = engine.runner, []
         a = [engine.make_request(p, SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True))
              for p in shorts]
@@ -175,7 +156,7 @@ def test_decode_advances_in_the_same_forward_as_a_prefill_chunk(engine):
             assert gains.count([0, 0]) == len(extends) and gains.count([1, 1]) == len(batches) - len(extends)
             assert sched.stats()["mixed_steps"] == 0
         engine.run_until_done(a + [b])
-        _settled(engine, sched)
+        assert_settled(engine, sched)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
@@ -186,25 +167,25 @@ def test_kv_exhaustion_retracts_and_matches_a_large_pool(engine, overlap):
     prompts = [_rand(g, int(torch.randint(8, 30, (1,), generator=g))) for _ in range(8)]
     params = [SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, logprobs=True) if i % 3 else
               SamplingParams(max_new_tokens=40, temperature=0.8, seed=i, ignore_eos=True) for i in range(8)]
-    _use(engine, **BASELINE)
+    swap_scheduler(engine, **BASELINE)
     ref = engine.generate(input_ids=prompts, sampling_params=params)
     small = Engine(model="tiny", device="cpu", dtype="float32", max_total_tokens=160)
     assert sum(len(p) + 40 for p in prompts) > 2 * 160
-    sched = _use(small, chunked_prefill_size=10, disable_overlap_schedule=not overlap, enable_mixed_chunk=True)
+    sched = swap_scheduler(small, chunked_prefill_size=10, disable_overlap_schedule=not overlap, enable_mixed_chunk=True)
     got = small.generate(input_ids=prompts, sampling_params=params)
     stats = sched.stats()
     assert stats["retracted_requests"] > 0 and stats["mixed_steps"] > 0
     _same(got, ref)
-    _settled(small, sched)
+    assert_settled(small, sched)
 
 
 def test_prompt_logprobs_in_mixed_steps(engine):
     g = torch.Generator().manual_seed(3)
     prompts = [_rand(g, n) for n in (6, 70, 33, 4, 50)]
     sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=True, logprobs=True)
-    _use(engine, **BASELINE)
+    swap_scheduler(engine, **BASELINE)
     ref = engine.generate(input_ids=prompts, sampling_params=sp)
-    sched = _use(engine, chunked_prefill_size=9, max_prefill_tokens=9, enable_mixed_chunk=True)
+    sched = swap_scheduler(engine, chunked_prefill_size=9, max_prefill_tokens=9, enable_mixed_chunk=True)
     got = engine.generate(input_ids=prompts, sampling_params=sp)
     assert sched.stats()["mixed_steps"] > 0
     _same(got, ref)
@@ -212,7 +193,7 @@ def test_prompt_logprobs_in_mixed_steps(engine):
         assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(b.prompt_logprobs)
         torch.testing.assert_close(torch.tensor(a.prompt_logprobs[1:]), torch.tensor(b.prompt_logprobs[1:]),
                                    atol=1e-4, rtol=0)
-    _settled(engine, sched)
+    assert_settled(engine, sched)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
@@ -224,7 +205,7 @@ def test_a_failed_mixed_step_fails_its_prefill_and_retries_its_decodes(engine, o
     g = torch.Generator().manual_seed(5)
     prompts = [_rand(g, 9), _rand(g, 14)]
     greedy = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
-    _use(engine, **BASELINE)
+    swap_scheduler(engine, **BASELINE)
     ref = [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
     failed_batches, after = [], []
 
@@ -236,7 +217,7 @@ def test_a_failed_mixed_step_fails_its_prefill_and_retries_its_decodes(engine, o
             failed_batches.append(list(fb.extend_lens_cpu))
         return bad
 
-    _use(engine)
+    swap_scheduler(engine)
     sched = use_runner(engine, FailingRunner(engine.runner, when), enable_mixed_chunk=True,
                        disable_overlap_schedule=not overlap)
     running = [engine.make_request(p, greedy) for p in prompts]
@@ -252,4 +233,4 @@ def test_a_failed_mixed_step_fails_its_prefill_and_retries_its_decodes(engine, o
     assert [o.token_ids for o in outs[:2]] == ref and [o.finish_reason for o in outs[:2]] == ["length"] * 2
     assert outs[2].finish_reason == "error" and "injected failure" in outs[2].error
     assert sched.stats()["failed_requests"] == 1 and sched.stats()["failed_steps"] == 1
-    _settled(engine, sched)
+    assert_settled(engine, sched)

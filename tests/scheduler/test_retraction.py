@@ -13,6 +13,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import admission
 from engine.scheduler.admission import Reservation
 from engine.scheduler.request import Request
+from tests.scheduler.helpers import assert_settled, swap_scheduler
 
 SMALL_POOL = 200
 
@@ -40,33 +41,10 @@ def _params(n):
             for i in range(n)]
 
 
-def _use(engine, **flags):
-    old = engine.scheduler
-    old.flush()
-    if old.cache is not None:
-        old.cache.evict_all()
-    engine.scheduler = engine.make_scheduler(**flags)
-    return engine.scheduler
-
-
-def _settled(engine, sched):
-    """Nothing runs; every slot is free or held by the cache, exactly once; all request rows are back."""
-    sched.flush()
-    assert not sched.has_work()
-    pool = engine.runner.kv_pool
-    free = pool.free_slots()
-    held = sched.cache.all_slots() if sched.cache else torch.empty(0, dtype=torch.int64)
-    assert pool.available() + sched.mem.cache_tokens() == pool.size
-    assert torch.cat((free, held)).sort().values.tolist() == list(range(1, pool.size + 1))
-    if sched.cache:
-        assert sched.cache.protected_size() == 0
-    assert engine.runner.req_to_token.available() == engine.args.scheduler.max_running_requests
-
-
 @pytest.fixture(scope="module")
 def reference(large):
     prompts = _prompts()
-    _use(large, disable_radix_cache=True, chunked_prefill_size=-1, disable_overlap_schedule=True)
+    swap_scheduler(large, disable_radix_cache=True, chunked_prefill_size=-1, disable_overlap_schedule=True)
     return prompts, large.generate(input_ids=prompts, sampling_params=_params(len(prompts)))
 
 
@@ -79,7 +57,7 @@ def reference(large):
 def test_small_pool_retracts_and_every_request_matches_a_large_pool(small, reference, flags):
     prompts, ref = reference
     assert sum(len(p) + 48 for p in prompts) > 2 * SMALL_POOL  # they cannot all run at once
-    sched = _use(small, **flags)
+    sched = swap_scheduler(small, **flags)
     got = small.generate(input_ids=prompts, sampling_params=_params(len(prompts)))
     assert sched.stats()["retracted_requests"] > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
@@ -87,18 +65,18 @@ def test_small_pool_retracts_and_every_request_matches_a_large_pool(small, refer
     for a, b in zip(got, ref):
         if a.logprobs is not None:
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
-    _settled(small, sched)
+    assert_settled(small, sched)
 
 
 def test_a_prompt_as_large_as_the_pool_is_served_alone(small):
     """Admitted with nothing else running (no reservation), it gets the token of its prefill and ends with
     'length' when there is no slot for a second one, instead of waiting forever."""
-    sched = _use(small)
+    sched = swap_scheduler(small)
     g = torch.Generator().manual_seed(3)
     big = torch.randint(0, 256, (SMALL_POOL,), generator=g).tolist()
     out = small.generate(input_ids=[big], sampling_params=SamplingParams(max_new_tokens=5, temperature=0))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 1
-    _settled(small, sched)
+    assert_settled(small, sched)
 
 
 def _req(prompt_len: int, max_new: int, generated: int = 0) -> Request:

@@ -7,7 +7,7 @@ import torch
 
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from engine.scheduler.scheduler import Scheduler
+from tests.scheduler.helpers import swap_scheduler
 
 BASELINE = dict(disable_radix_cache=True, chunked_prefill_size=-1, disable_overlap_schedule=True)
 
@@ -34,17 +34,6 @@ def _prompts(seed=0, n_shared=6, n_random=4):
     return out
 
 
-def _use(engine, **opts) -> Scheduler:
-    """Swap in a fresh scheduler with these scheduling flags (the previous one's cached KV is evicted first)."""
-    old = engine.scheduler
-    old.flush()
-    if old.cache is not None:
-        old.cache.evict_all()
-    sched = engine.make_scheduler(**opts)
-    engine.scheduler = sched
-    return sched
-
-
 def _check_pool(engine, sched, evict=True):
     """Every slot is free or held by the cache, exactly once; evicting the cache frees everything."""
     sched.flush()
@@ -64,7 +53,7 @@ def _check_pool(engine, sched, evict=True):
 
 
 def _gen(engine, prompts, sp, check=True, **opts):
-    sched = _use(engine, **opts)
+    sched = swap_scheduler(engine, **opts)
     outs = engine.generate(input_ids=prompts, sampling_params=sp)
     if check:
         _check_pool(engine, sched)
@@ -105,7 +94,7 @@ def test_outputs_identical_to_baseline(engine, baseline, opts):
 
 def test_radix_cache_hits_on_repeats_and_outputs_unchanged(engine, baseline):
     prompts, ref = baseline
-    sched = _use(engine)
+    sched = swap_scheduler(engine)
     first = engine.generate(input_ids=prompts, sampling_params=_greedy())
     hits_first = sched.stats()["prefix_cache_hit_tokens"]
     second = engine.generate(input_ids=prompts, sampling_params=_greedy())
@@ -133,7 +122,7 @@ def test_multi_turn_reuses_prompt_and_output(engine):
     g = torch.Generator().manual_seed(7)
     turn1 = _rand(g, 30)
     for overlap in (False, True):
-        sched = _use(engine, disable_overlap_schedule=not overlap)
+        sched = swap_scheduler(engine, disable_overlap_schedule=not overlap)
         out1 = engine.generate(input_ids=[turn1], sampling_params=_greedy(10))[0]
         turn2 = turn1 + out1.token_ids + _rand(g, 5)
         req = engine.make_request(turn2, _greedy(5))
@@ -163,7 +152,7 @@ def test_decodes_continue_between_chunks(engine):
     """A long prompt arriving while others decode is prefilled in chunks, with decode steps in between."""
     g = torch.Generator().manual_seed(11)
     short, long = _rand(g, 5), _rand(g, 90)
-    sched = _use(engine, chunked_prefill_size=10, disable_overlap_schedule=True)
+    sched = swap_scheduler(engine, chunked_prefill_size=10, disable_overlap_schedule=True)
     a = engine.make_request(short, _greedy(30))
     sched.add(a)
     sched.step()  # prefill a
@@ -183,7 +172,7 @@ def test_decodes_continue_between_chunks(engine):
 def test_lpm_orders_by_cached_prefix(engine):
     g = torch.Generator().manual_seed(13)
     warm = _rand(g, 40)
-    sched = _use(engine, schedule_policy="lpm", disable_overlap_schedule=True, max_prefill_tokens=1,
+    sched = swap_scheduler(engine, schedule_policy="lpm", disable_overlap_schedule=True, max_prefill_tokens=1,
                  chunked_prefill_size=-1)
     engine.generate(input_ids=[warm], sampling_params=_greedy(2))
     cold = [_rand(g, 10) for _ in range(3)]
@@ -221,7 +210,7 @@ def test_batch_of_one_equals_batch_of_32(engine):
     g = torch.Generator().manual_seed(17)
     prompts = [_rand(g, int(torch.randint(3, 30, (1,), generator=g))) for _ in range(32)]
     together, _ = _gen(engine, prompts, _greedy(8))
-    sched = _use(engine, **BASELINE)
+    sched = swap_scheduler(engine, **BASELINE)
     alone = [engine.generate(input_ids=[p], sampling_params=_greedy(8))[0] for p in prompts]
     _check_pool(engine, sched)
     _same(together, alone)
@@ -231,7 +220,7 @@ def test_kv_pressure_evicts_and_retracts_without_dropping(engine, baseline):
     prompts, ref = baseline
     small = Engine(model="tiny", device="cpu", dtype="float32", max_total_tokens=64)  # the longest prompt + 12 fit
     for opts in (dict(disable_overlap_schedule=True), dict(chunked_prefill_size=8), dict(disable_radix_cache=True)):
-        sched = _use(small, **opts)
+        sched = swap_scheduler(small, **opts)
         first = small.generate(input_ids=prompts, sampling_params=_greedy())
         got = small.generate(input_ids=prompts, sampling_params=_greedy())  # with a full cache
         stats = sched.stats()
@@ -248,7 +237,7 @@ def test_abort_mid_decode_and_mid_chunked_prefill(engine):
     prompts = [_rand(g, 8), _rand(g, 60), _rand(g, 12)]
     ref, _ = _gen(engine, prompts, _greedy(10), **BASELINE)
     for overlap in (True, False):
-        sched = _use(engine, chunked_prefill_size=10, disable_overlap_schedule=not overlap)
+        sched = swap_scheduler(engine, chunked_prefill_size=10, disable_overlap_schedule=not overlap)
         reqs = [engine.make_request(p, _greedy(10)) for p in prompts]
         for r in reqs:
             sched.add(r)
@@ -266,15 +255,15 @@ def test_abort_mid_decode_and_mid_chunked_prefill(engine):
 
 
 def test_stats_keys(engine):
-    sched = _use(engine)
+    sched = swap_scheduler(engine)
     stats = sched.stats()
     for key in ("prefix_cache_tokens", "prefix_cache_hit_rate", "prefix_cache_hit_tokens", "prompt_tokens"):
         assert key in stats
-    assert _use(engine, disable_radix_cache=True).stats()["prefix_cache_tokens"] == 0
+    assert swap_scheduler(engine, disable_radix_cache=True).stats()["prefix_cache_tokens"] == 0
 
 
 def test_flush_cache_only_when_idle(engine):
-    sched = _use(engine)
+    sched = swap_scheduler(engine)
     req = engine.make_request(list(range(1, 30)), _greedy(5))
     sched.add(req)
     sched.step()

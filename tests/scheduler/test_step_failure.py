@@ -17,6 +17,7 @@ from engine.scheduler import scheduler as scheduler_module
 from engine.scheduler.processor import OutputProcessor
 from engine.scheduler.request import Request
 from tests.scheduler.failing_runner import POISON, FailingRunner, NthDecode, poisoned_prefill, use_runner
+from tests.scheduler.helpers import assert_settled, drop_scheduler
 
 BASELINE = dict(disable_radix_cache=True, chunked_prefill_size=-1, disable_overlap_schedule=True)
 MODES = [dict(), dict(disable_overlap_schedule=True), dict(disable_radix_cache=True)]
@@ -40,10 +41,7 @@ def _greedy(n=8):
 
 def _fresh(engine, when, **flags):
     """A scheduler over FailingRunner(when); the previous scheduler's cached KV is evicted first."""
-    old = engine.scheduler
-    old.flush()
-    if old.cache is not None:
-        old.cache.evict_all()
+    drop_scheduler(engine)
     return use_runner(engine, FailingRunner(engine.runner, when), **flags)
 
 
@@ -52,17 +50,6 @@ def _reference(engine, prompts, n=8):
     out = engine.generate(input_ids=prompts, sampling_params=_greedy(n))
     assert sched.stats()["failed_steps"] == 0
     return [o.token_ids for o in out]
-
-
-def _settled(engine, sched):
-    sched.flush()
-    assert not sched.has_work()
-    pool = engine.runner.kv_pool
-    held = sched.cache.all_slots() if sched.cache else torch.empty(0, dtype=torch.int64)
-    assert torch.cat((pool.free_slots(), held)).sort().values.tolist() == list(range(1, pool.size + 1))
-    if sched.cache:
-        assert sched.cache.protected_size() == 0
-    assert engine.runner.req_to_token.available() == engine.args.scheduler.max_running_requests
 
 
 @pytest.mark.parametrize("flags", MODES, ids=MODE_IDS)
@@ -77,10 +64,10 @@ def test_a_failed_prefill_fails_its_batch_and_the_engine_goes_on(engine, flags):
     stats = sched.stats()
     assert stats["failed_steps"] == 1 and stats["failed_requests"] == 5
     assert sched.mem.cache_tokens() == 0  # nothing of the failed prefill was cached
-    _settled(engine, sched)
+    assert_settled(engine, sched)
     again = engine.generate(input_ids=prompts, sampling_params=_greedy())
     assert [o.token_ids for o in again] == ref and {o.finish_reason for o in again} == {"length"}
-    _settled(engine, sched)
+    assert_settled(engine, sched)
 
 
 @pytest.mark.parametrize("flags", MODES[:2], ids=MODE_IDS[:2])
@@ -99,7 +86,7 @@ def test_a_failed_prefill_leaves_the_running_decodes_alone(engine, flags):
     assert [o.token_ids for o in outs[:2]] == ref
     assert outs[2].finish_reason == "error" and "injected failure" in outs[2].error
     assert sched.stats()["failed_requests"] == 1
-    _settled(engine, sched)
+    assert_settled(engine, sched)
 
 
 @pytest.mark.parametrize("flags", MODES, ids=MODE_IDS)
@@ -113,7 +100,7 @@ def test_a_failed_decode_fails_its_batch_and_keeps_only_good_kv_cached(engine, f
         assert 1 <= len(o.token_ids) <= 3 and o.token_ids == r[:len(o.token_ids)]
     # The prompts were cached after their (good) prefill; the failed decode's KV was not.
     assert sched.mem.cache_tokens() == (sum(len(p) for p in prompts) if sched.cache else 0)
-    _settled(engine, sched)
+    assert_settled(engine, sched)
     # Continuations of prompt + the tokens emitted before the failure reuse whatever the failed scheduler
     # cached. Their reference comes from a second scheduler over the same pool (no cache: it leaves the
     # failed one's cached slots alone).
@@ -126,7 +113,7 @@ def test_a_failed_decode_fails_its_batch_and_keeps_only_good_kv_cached(engine, f
     assert [o.token_ids for o in again] == ref + next_ref
     if sched.cache:
         assert sched.stats()["prefix_cache_hit_tokens"] - hits >= 2 * sum(len(p) - 1 for p in prompts)
-    _settled(engine, sched)
+    assert_settled(engine, sched)
 
 
 def test_too_many_failed_steps_in_a_row_raise(engine):
@@ -143,7 +130,7 @@ def test_too_many_failed_steps_in_a_row_raise(engine):
         sched.step()
     assert reqs[limit - 1].finish_reason == "error"  # the batch of the last step failed before the raise
     sched.abort_all()
-    _settled(engine, sched)
+    assert_settled(engine, sched)
 
 
 class _Boom:
