@@ -86,11 +86,8 @@ class Engine:
         cache flags from this engine's (e.g. disable_radix_cache=True)."""
         args = self.args.replace(**flags)
         outputs = OutputProcessor(self.tokenizer, self.eos_ids, self.runner.max_model_len)
-        spec = args.speculative.enabled
-        if spec and getattr(args.scheduler, "enable_mixed_chunk", False):
-            args = args.replace(enable_mixed_chunk=False)  # running requests decode in speculative steps only
         sched = Scheduler(self.runner, outputs, args.scheduler, radix_cache=not args.cache.disable_radix_cache)
-        if spec:
+        if args.speculative.enabled:  # (the scheduler then never mixes: running requests decode in spec steps)
             from engine.speculative.decoder import SpecDecoder
 
             sched.spec = SpecDecoder(self.runner, args.speculative)
