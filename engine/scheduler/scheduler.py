@@ -241,7 +241,7 @@ class Scheduler:
         self._last_was_extend = False
         if decodable:
             if self.spec is not None:  # a speculative step replaces the decode step (synchronous)
-                return self.spec.decode(self)
+                return self._launch_spec()
             reqs = self._prepare_decode(decodable)
             if reqs:
                 return self._launch_decode(reqs)
@@ -484,6 +484,23 @@ class Scheduler:
         self._counters["decode_steps"] += 1
         self.reservation.decode_step()
         return Launch(sampled=list(reqs), sample=self._sample(reqs, out.logits))
+
+    def _launch_spec(self) -> None:
+        """The decode step with speculative decoding: the spec decoder drafts, verifies, accepts and emits
+        synchronously (its steps read the tree on the host), so the step in flight is processed first and
+        nothing is left pending. Each request needs KV for its whole tree (`slots_per_req`)."""
+        self._sync()
+        reqs = self._decodable()
+        if reqs:
+            reqs = self._prepare_decode(reqs, self.spec.slots_per_req)
+        if not reqs:
+            return None
+        self._launching = reqs
+        self.spec.step(reqs, self.outputs)
+        self._counters["decode_steps"] += 1
+        self.reservation.decode_step()
+        self._failed_in_a_row = 0
+        return None
 
     def _inputs_from_pending(self, reqs: list[Request], host_ids: torch.Tensor) -> torch.Tensor:
         """Decode inputs: a request's previous token is read from the device when not processed yet."""

@@ -1,7 +1,7 @@
 """The speculative decode step: draft, verify, accept, commit, hand the tokens to the output processor.
 
-The scheduler calls `after_extend` after every prefill forward and `decode` in place of its plain
-decode step (engine/scheduler/scheduler.py). Per request it keeps a `SpecState` (Request.spec): the
+The scheduler calls `after_extend` after every prefill forward and, in place of its plain decode
+step, `step` on its decode batch (engine/scheduler/scheduler.py `_launch_spec`). Per request it keeps a `SpecState` (Request.spec): the
 positions whose draft (MTP) KV is written, and the target hidden states of the positions after them,
 whose draft KV needs the next token first.
 
@@ -80,21 +80,10 @@ class SpecDecoder:
             extend_draft(self.runner, rows, starts, toks, torch.cat(hid))
 
     # ---- decode ----------------------------------------------------------------------
-    def decode(self, sched) -> None:
-        """The scheduler's decode step with speculation (synchronous: returns nothing to process later)."""
-        sched._sync()
-        reqs = sched._decodable()
-        if reqs:
-            reqs = sched._prepare_decode(reqs, self.slots_per_req)
-        if not reqs:
-            return None
-        sched._launching = reqs
-        counts = self._step(reqs, sched.outputs)
-        self.stats.record(counts)
-        sched._counters["decode_steps"] += 1
-        sched.reservation.decode_step()
-        sched._failed_in_a_row = 0
-        return None
+    def step(self, reqs, outputs) -> None:
+        """One speculative step for `reqs` (the scheduler's decode batch, each with `slots_per_req` KV slots
+        free for it); the emitted tokens go to `outputs`. Synchronous: nothing is left to process later."""
+        self.stats.record(self._step(reqs, outputs))
 
     def _step(self, reqs, outputs) -> list[int]:
         runner, pool = self.runner, self.runner.kv_pool
