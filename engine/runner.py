@@ -21,6 +21,7 @@ import torch
 
 from engine.args import EngineArgs
 from engine.distributed.comm import all_reduce_min_int, broadcast_tensor
+from engine.distributed.dp_attention import MTP, TARGET
 from engine.distributed.groups import ParallelState, single_process
 from engine.errors import UsageError
 from engine.forward_batch import ForwardBatch, ForwardMode
@@ -94,7 +95,6 @@ class ModelRunner:
         with _timed(phases, "KV pool"):
             self._init_memory()
         self.graphs = None
-        self.forwards = 0  # forwards run (real or idle): DP attention's step loop checks one ran per step
         if self.setup.cuda_graphs:
             with _timed(phases, "CUDA graphs"):
                 self.build_graph_runner(list(self.setup.graph_batch_sizes))
@@ -227,37 +227,59 @@ class ModelRunner:
     def dp_attention(self) -> bool:
         return self.parallel.tp.dp_size > 1
 
-    def _agree_dp(self, tokens: int, graphable: bool = False) -> Optional[int]:
-        """DP attention: agree on this forward with every DP group (a no-op otherwise); returns the padded
-        size whose CUDA graph every group replays, or None for an eager forward."""
-        self.forwards += 1
+    def _agree_dp(self, kind: int, tokens: int, graphable: bool = False) -> Optional[int]:
+        """DP attention (a no-op otherwise): before this rank's own forward of `kind` (dp_attention.MTP or
+        TARGET), run the idle forwards of other kinds that other groups run first, until every group agrees
+        on this kind; sets this forward's gather and returns the padded size whose CUDA graph every group
+        replays, or None for an eager forward."""
         if not self.dp_attention:
             return None
-        from engine.distributed.dp_attention import exchange_counts
+        while True:
+            agreed = self._agreement(kind, tokens, graphable)
+            if agreed.kind == kind:
+                return agreed.graph_bs
+            self._idle_forward(agreed)
+
+    def _agreement(self, kind: int, tokens: int, graphable: bool):
+        from engine.distributed.dp_attention import agree
 
         sizes = self.graphs.sizes if self.graphs is not None else ()
-        self.forward_ctx.dp, graph_bs = exchange_counts(tokens, self.parallel.tp, sizes, graphable)
-        return graph_bs
+        agreed = agree(kind, tokens, self.parallel.tp, sizes, graphable)
+        self.forward_ctx.dp = agreed.gather
+        return agreed
 
     @torch.inference_mode()
-    def idle_forward(self) -> None:
-        """DP attention: this group has nothing to run while another may: join the agreement with 0 tokens
-        and, if any group runs, every layer's gather / MLP / scatter with no tokens of its own (replaying
-        the agreed CUDA graph on padding rows when the others replay one)."""
-        graph_bs = self._agree_dp(0)
-        if graph_bs is not None:
-            self.graphs.replay_padding(graph_bs)
+    def finish_dp_iteration(self) -> None:
+        """DP attention, after this rank's step: join the forwards other groups still run (idle, with no
+        tokens of its own) until every rank has none left, so that each iteration's collectives pair up."""
+        from engine.distributed.dp_attention import DONE
+
+        while (agreed := self._agreement(DONE, 0, True)).kind != DONE:
+            self._idle_forward(agreed)
+
+    @torch.inference_mode()
+    def _idle_forward(self, agreed) -> None:
+        """Every layer's gather / MLP / scatter with no tokens of this group's (attention is skipped), for a
+        forward of the agreed kind that other groups run: the agreed CUDA graph on padding rows, or eagerly."""
+        from engine.distributed.dp_attention import MTP
+
+        if agreed.graph_bs is not None:
+            self.graphs.replay_padding(agreed.graph_bs)
             return
-        if self.forward_ctx.dp is None or self.forward_ctx.dp.total == 0:
+        if agreed.gather.total == 0:
             return
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         fb = ForwardBatch.build(ForwardMode.IDLE, [], [], [], [], empty, [], self.device)
-        self.model.hidden_states(fb, self.forward_ctx)
+        if agreed.kind == MTP:
+            fb.spec_hidden = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            self.mtp(fb, self.forward_ctx)
+        else:
+            self.model.hidden_states(fb, self.forward_ctx)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
         graphable = self.graphs is not None and self.graphs.can_run(fb)
-        graph_bs = self._agree_dp(fb.num_tokens, graphable)
+        graph_bs = self._agree_dp(TARGET, fb.num_tokens, graphable)
         if graph_bs is not None or (graphable and not self.dp_attention):
             logits, hidden = self.graphs.replay(fb, graph_bs)
         else:
@@ -277,7 +299,7 @@ class ModelRunner:
         request table. Never a CUDA graph: the graphs hold the request table's address."""
         from dataclasses import replace
 
-        self._agree_dp(fb.num_tokens)
+        self._agree_dp(MTP if mtp else TARGET, fb.num_tokens)
         ctx = replace(self.forward_ctx, req_to_token=table)
         ctx.begin_forward(fb)
         if mtp:
@@ -290,7 +312,7 @@ class ModelRunner:
     def forward_mtp(self, fb: ForwardBatch) -> ForwardOutput:
         if self.mtp is None:
             raise UsageError("this checkpoint has no MTP/NextN layer (num_nextn_predict_layers = 0)")
-        self._agree_dp(fb.num_tokens)
+        self._agree_dp(MTP, fb.num_tokens)
         self.forward_ctx.begin_forward(fb)
         hidden = self.mtp(fb, self.forward_ctx)
         return ForwardOutput(logits=self.mtp.logits(hidden[fb.logits_indices]), hidden=hidden)

@@ -12,9 +12,11 @@ Ranks of one DP group hold the same tokens, so of the tp gathered blocks only ea
 rank's is kept (at dp = tp, the usual layout, nothing is gathered twice). After the MLP's
 all-reduce every rank holds every token's output and keeps its own group's rows.
 
-The counts are exchanged once per forward on the host (`exchange_counts`: an all-gather of each
-rank's token count over the gloo group), before any layer runs; a group with no work joins with 0
-tokens and runs an idle forward (engine/runner.py), so every rank runs the same collectives.
+The counts are exchanged once per forward on the host (`agree`: an all-gather of each rank's next
+forward, kind and token count, over the gloo group), before any layer runs. A group whose next forward
+is of another kind, or that has no work left in this iteration, joins with 0 tokens and runs an idle
+forward of the agreed kind (engine/runner.py), so every rank runs the same collectives in the same
+order; the iteration ends when every rank has nothing left (engine/server/engine_process.py).
 
 CUDA graphs: when every group runs a decode batch (or nothing) that fits a captured size, all groups
 replay the graph of one padded size, captured with a `uniform` gather (every group at that width,
@@ -67,20 +69,45 @@ def uniform(group: TPGroup, width: int) -> DPGather:
     return DPGather(group, [width] * group.dp_size)
 
 
-def exchange_counts(tokens: int, group: TPGroup, graph_sizes: Sequence[int] = (),
-                    graphable: bool = False) -> tuple[DPGather, Optional[int]]:
-    """Agree on the forward about to run (host collective): every DP group's token count, and whether
-    all of them replay CUDA graphs of one padded size. They do when every group's batch is a decode
-    batch a graph can run (`graphable`) or empty, and one is not: then the size is the smallest of
-    `graph_sizes` (the captured sizes, the same on every rank) that holds the largest group's batch,
-    and the returned gather is `uniform` at that size. Otherwise (None) each group runs eagerly with
-    its own count."""
-    every = comm.all_gather_ints(2 * tokens + int(graphable or tokens == 0), group)
+# What a rank's next forward runs, in the order the groups take them when they differ (see `agree`).
+MTP, TARGET, DONE = 0, 1, 2
+_KIND_SHIFT = 40  # one int per rank: kind << 40 | tokens << 1 | graphable
+
+
+@dataclass
+class Agreement:
+    """The forward every rank runs next: its kind (MTP / TARGET; DONE: none, the iteration is over), the
+    gather of each group's tokens (0 for a group whose own next forward is of another kind), and the padded
+    CUDA-graph size every group replays (None: eager)."""
+
+    kind: int
+    gather: DPGather
+    graph_bs: Optional[int]
+
+
+def agree(kind: int, tokens: int, group: TPGroup, graph_sizes: Sequence[int] = (),
+          graphable: bool = False) -> Agreement:
+    """Agree on the next forward (host collective). Each rank offers the kind of its own next forward and
+    its tokens; the smallest kind offered runs, with every group whose next forward is of that kind
+    contributing its tokens and the others joining with none (an idle forward of that kind; they offer
+    their own again afterwards). Every rank thus runs the same forwards in the same order, whatever mix
+    of steps the groups are in (a speculative step runs several MTP forwards before its target forward),
+    and the iteration ends when every rank offers DONE.
+
+    The groups replay CUDA graphs of one padded size when the forward is a target forward that every
+    contributing group can run as a graph (`graphable`: a decode batch a captured graph holds) and one
+    group has tokens: the size is the smallest of `graph_sizes` (the captured sizes, the same on every
+    rank) that holds the largest group's batch, and the gather is `uniform` at that size."""
+    every = comm.all_gather_ints((kind << _KIND_SHIFT) | (tokens << 1) | int(graphable), group)
     per_group = group.size // group.dp_size
     firsts = [every[g * per_group] for g in range(group.dp_size)]
-    counts = [v // 2 for v in firsts]
+    kinds = [v >> _KIND_SHIFT for v in firsts]
+    run = min(kinds)
+    mine = [k == run for k in kinds]
+    counts = [(v & ((1 << _KIND_SHIFT) - 1)) >> 1 if m else 0 for v, m in zip(firsts, mine)]
     widest = max(counts)
-    if graph_sizes and all(v % 2 for v in firsts) and 0 < widest <= max(graph_sizes):
+    graphs = all(v & 1 or not c for v, c in zip(firsts, counts))
+    if run == TARGET and graph_sizes and graphs and 0 < widest <= max(graph_sizes):
         bs = min(s for s in graph_sizes if s >= widest)
-        return uniform(group, bs), bs
-    return DPGather(group, counts), None
+        return Agreement(run, uniform(group, bs), bs)
+    return Agreement(run, DPGather(group, counts), None)

@@ -19,8 +19,11 @@ With DP attention (engine/distributed/dp_attention.py) the ranks form DP groups,
 own scheduler, KV pool and radix cache. Rank 0 still receives every message; its
 `DPController` (dp_controller.py) tags each new request with a DP group, and every rank applies
 only its group's messages (an abort or a shutdown goes to all). Each iteration the ranks agree
-whether any group has work (a max all-reduce); if so every rank steps, and a rank whose step ran
-no forward runs an idle one, so each rank joins exactly one forward's collectives per iteration.
+whether any group has work (a max all-reduce); if so every rank steps, agreeing before each forward
+on what runs (engine/distributed/dp_attention.py `agree`: groups whose own next forward differs, or
+that have none, run idle ones), and then joins the others' remaining forwards until none is left
+(`ModelRunner.finish_dp_iteration`), so the ranks' collectives always pair up, whatever mix of
+prefill, decode and speculative steps the groups run.
 Then rank 0 gathers every group's deltas and stats and sends them as one StepOutputs.
 """
 
@@ -176,10 +179,8 @@ class EngineLoop:
                 return
             busy = bool(all_reduce_max_int(int(self.engine.scheduler.has_work()), self.tp))
             if busy:
-                before = runner.forwards
                 self.step()
-                if runner.forwards == before:
-                    runner.idle_forward()
+                runner.finish_dp_iteration()
             if busy or routed:
                 self.send_outputs()
 

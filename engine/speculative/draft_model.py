@@ -18,11 +18,6 @@ def check_spec_launch(args: EngineArgs, resolved) -> None:
     spec = args.speculative
     if not spec.enabled:
         return
-    pc = args.parallel.config()
-    if pc.dp_size > 1:
-        raise UsageError("speculative decoding does not run with DP attention yet (each DP group would need "
-                         "its own draft / verify batch in the idle-forward protocol): drop "
-                         "--enable-dp-attention or --speculative-algorithm")
     if spec.speculative_draft is None:
         from engine.model.builder import has_mtp_layer
 

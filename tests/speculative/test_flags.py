@@ -1,5 +1,5 @@
 """Speculative-decoding flags: defaults, inconsistent values, and start-up errors for a checkpoint that
-cannot draft (no MTP layer, a draft with another vocabulary, DP attention)."""
+cannot draft (no MTP layer, a draft with another vocabulary)."""
 
 import pytest
 
@@ -69,7 +69,3 @@ def test_draft_checkpoint_loads_its_mtp_layer():
     assert out[0].token_ids
 
 
-def test_dp_attention_rejected():
-    args = _args(model="tiny", speculative_algorithm="NEXTN", tp_size=2, dp_size=2, enable_dp_attention=True)
-    with pytest.raises(UsageError, match="DP attention"):
-        check_launch(args)
