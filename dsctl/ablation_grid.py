@@ -66,13 +66,13 @@ class Feature:
 
 FEATURES = (
     Feature("mla", "MLA", "MLA", "disable_mla", off=True, on=False, always_on=True,
-            off_turns_off=("flashinfer_mla",)),
+            off_turns_off=("flashinfer_mla", "nextn")),
     Feature("torch_compile", "torch.compile", "torch\ncompile", "enable_torch_compile", False, True, needs_cuda=True),
     Feature("cuda_graph", "CUDA graph", "CUDA\ngraph", "disable_cuda_graph", off=True, on=False, needs_cuda=True),
     Feature("radix_cache", "radix cache", "radix\ncache", "disable_radix_cache", off=True, on=False),
     Feature("flashinfer_mla", "FlashInfer MLA", "FlashInfer\nMLA", "enable_flashinfer_mla", False, True,
             needs_cuda=True),
-    Feature("nextn", "NextN", "NextN", "speculative_algorithm", off=None, on="NEXTN", landed=False),
+    Feature("nextn", "NextN", "NextN", "speculative_algorithm", off=None, on="NEXTN"),
     Feature("ep_moe", "EP-MoE", "EP-MoE", "enable_ep_moe", off=False, on=True, needs_ranks=True,
             off_flags=(("ep_size", 1),)),
     Feature("dp_attention", "DP attention", "DP\nattention", "enable_dp_attention", False, True, needs_ranks=True,

@@ -20,8 +20,8 @@ from dsctl.bench_ablation import RowResult, Settings, failure_reason, run_ablati
 from engine.args import EngineArgs
 from tests.cli.screen import assert_fits, assert_no_empty_column, run_dsctl
 
-LANDED = ["mla", "torch_compile", "cuda_graph", "radix_cache", "flashinfer_mla", "ep_moe", "dp_attention"]
-PENDING = ["nextn"]  # NextN: speculative decoding is being built
+LANDED = ["mla", "torch_compile", "cuda_graph", "radix_cache", "flashinfer_mla", "nextn", "ep_moe", "dp_attention"]
+PENDING = []
 RANKED = {"ep_moe", "dp_attention"}  # refused at --tp 1
 
 
@@ -58,7 +58,7 @@ def test_a_feature_lands_with_one_line():
     assert len(rows) > len(before)
     states = [r.state for r in rows]
     assert {"mla": True, "torch_compile": False, "cuda_graph": True, "radix_cache": True, "flashinfer_mla": False,
-            "ep_moe": True, "dp_attention": False} in states  # a seed row: CUDA graph + radix cache + EP-MoE
+            "nextn": False, "ep_moe": True, "dp_attention": False} in states  # a seed row: CUDA graph + radix cache + EP-MoE
     ep_row = next(r for r in rows if r.state["ep_moe"])
     assert ep_row.args.parallel.enable_ep_moe is True
     # a feature whose flag does not exist stays out even if marked landed
@@ -80,8 +80,9 @@ def _check_args(r) -> None:
     pc = r.args.parallel.config()
     assert (pc.ep_size > 1) == r.state["ep_moe"] or pc.tp_size == 1
     assert pc.enable_dp_attention == r.state["dp_attention"]
-    if not r.state["mla"]:  # FlashInfer's MLA wrapper cannot read --disable-mla's per-head cache
-        assert not r.state["flashinfer_mla"]
+    assert (r.args.speculative.speculative_algorithm == "NEXTN") == r.state["nextn"]
+    if not r.state["mla"]:  # FlashInfer's MLA wrapper and the MTP draft cannot use --disable-mla's per-head cache
+        assert not r.state["flashinfer_mla"] and not r.state["nextn"]
 
 
 def test_rows_with_a_gpu_as_given_then_each_flip_then_the_seed():
@@ -90,9 +91,9 @@ def test_rows_with_a_gpu_as_given_then_each_flip_then_the_seed():
     keys = [f.key for f in available_features()]
     assert rows[0].label == "baseline" and rows[0].args == base
     assert rows[0].state == {"mla": True, "torch_compile": False, "cuda_graph": True, "radix_cache": True,
-                             "flashinfer_mla": False, "ep_moe": False, "dp_attention": False}
-    flips = {r.label for r in rows[1:8]}
-    assert flips == {"-MLA", "+torch.compile", "-CUDA graph", "-radix cache", "+FlashInfer MLA",
+                             "flashinfer_mla": False, "nextn": False, "ep_moe": False, "dp_attention": False}
+    flips = {r.label for r in rows[1:9]}
+    assert flips == {"-MLA", "+torch.compile", "-CUDA graph", "-radix cache", "+FlashInfer MLA", "+NextN",
                      "+EP-MoE", "+DP attention"}
     sigs = [tuple(r.state[k] for k in keys) for r in rows]
     assert len(sigs) == len(set(sigs))  # no configuration twice
@@ -128,7 +129,7 @@ def test_rows_at_tp2_run_ep_moe_and_dp_attention():
 def test_rows_on_cpu_refuse_cuda_only_features_without_a_process():
     rows = make_rows(EngineArgs.of(model="tiny", device="cpu"), cuda=False)
     runnable = [r for r in rows if r.refusal is None]
-    assert [r.label for r in runnable] == ["as given", "-MLA", "-radix cache"]
+    assert [r.label for r in runnable] == ["as given", "-MLA", "-radix cache", "+NextN"]
     assert all(not r.state["cuda_graph"] and r.args.kernels.disable_cuda_graph for r in runnable)
     for r in rows:
         cuda_only = r.state["torch_compile"] or r.state["cuda_graph"] or r.state["flashinfer_mla"]
@@ -140,7 +141,8 @@ def test_rows_on_cpu_refuse_cuda_only_features_without_a_process():
             assert r.refusal.startswith("needs --tp > 1")
     at_tp2 = [r.label for r in make_rows(EngineArgs.of(model="tiny", device="cpu", tp_size=2), cuda=False)
               if r.refusal is None]
-    assert at_tp2 == ["as given", "-MLA", "-radix cache", "+EP-MoE", "+DP attention"]  # gloo ranks on CPU
+    assert at_tp2 == ["as given", "-MLA", "-radix cache", "+NextN", "+EP-MoE", "+DP attention",  # gloo ranks on CPU
+                      "-radix cache, +NextN, +EP-MoE", "-radix cache, +NextN, +DP attention"]  # the seed's rows
 
 
 # --- one process per row -----------------------------------------------------------------------------------
@@ -213,7 +215,7 @@ def test_refused_rows_start_no_process(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_ablation, "run_row", lambda i, row, settings: started.append(row.label) or
                         RowResult(i, row.label, dict(row.state), [], runnable=False, reason="stub"))
     results = run_ablation(rows, Settings(out_dir=tmp_path))
-    assert started == ["as given", "-MLA", "-radix cache"]
+    assert started == ["as given", "-MLA", "-radix cache", "+NextN"]
     refused = [r for r in results if r.label not in started]
     assert refused and all(r.reason.startswith(("needs a CUDA GPU", "needs --tp > 1")) and r.log == ""
                            for r in refused)
@@ -300,11 +302,12 @@ def test_bench_ablation_on_tiny_cpu(tmp_path):
     assert len(lines) == len([c for c in table["columns"][0] if c]) == len(make_rows(
         EngineArgs.of(model="tiny", device="cpu"), cuda=False))
     ran = [line for line in lines if line["runnable"]]
-    assert [line["label"] for line in ran] == ["baseline", "-MLA", "-radix cache"]
+    assert [line["label"] for line in ran] == ["baseline", "-MLA", "-radix cache", "+NextN"]
     for line in ran:
         assert line["decode_tok_s_bs1"] > 0 and line["output_tok_s"] > 0 and line["concurrency"] == 4
         assert Path(line["log"]).is_file()
     assert "--disable-mla" in ran[1]["flags"] and "--disable-mla" not in ran[0]["flags"]
+    assert "--speculative-algorithm" in ran[3]["flags"] and "--speculative-algorithm" not in ran[0]["flags"]
     assert all(line["reason"].startswith(("needs a CUDA GPU", "needs --tp > 1")) for line in lines
                if not line["runnable"])
     assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
