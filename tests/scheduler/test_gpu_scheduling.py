@@ -11,7 +11,8 @@ import torch
 
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from tests.scheduler.test_scheduling import BASELINE, _check_pool, _gen, _greedy, _prompts, _use
+from tests.scheduler.helpers import swap_scheduler
+from tests.scheduler.test_scheduling import BASELINE, _check_pool, _gen, _greedy, _prompts
 from tests.scheduler.test_scheduling import _same as _same_cpu
 
 
@@ -37,7 +38,7 @@ def test_outputs_identical_to_baseline_on_gpu(engine, opts):
     assert engine.runner.graphs is not None
     prompts = _prompts(seed=21)
     ref, _ = _gen(engine, prompts, _greedy(20), **BASELINE)
-    sched = _use(engine, **opts)
+    sched = swap_scheduler(engine, **opts)
     first = engine.generate(input_ids=prompts, sampling_params=_greedy(20))
     second = engine.generate(input_ids=prompts, sampling_params=_greedy(20))
     _same(first, ref)
@@ -53,7 +54,7 @@ def test_reference_backends_on_gpu_match_closely(opts):
                  moe_backend="torch", disable_cuda_graph=True)
     prompts = _prompts(seed=21)
     ref, _ = _gen(eng, prompts, _greedy(20), **BASELINE)
-    sched = _use(eng, **opts)
+    sched = swap_scheduler(eng, **opts)
     for _ in range(2):
         _same(eng.generate(input_ids=prompts, sampling_params=_greedy(20)), ref, atol=2e-3)
     assert sched.stats()["prefix_cache_hit_tokens"] > 0
@@ -77,7 +78,7 @@ def test_kv_pressure_on_gpu():
     small = Engine(model="tiny", device="cuda", dtype="float32", max_total_tokens=150, cuda_graph_bs="1,2,4,8,16")
     prompts = _prompts(seed=23)
     ref, _ = _gen(small, prompts, _greedy(12), **BASELINE)
-    sched = _use(small)
+    sched = swap_scheduler(small)
     got = small.generate(input_ids=prompts, sampling_params=_greedy(12))
     got2 = small.generate(input_ids=prompts, sampling_params=_greedy(12))
     _same(got, ref)
