@@ -79,17 +79,25 @@ class RequestMemory:
 
     # ---- decode ---------------------------------------------------------------------------
     def append_decode_slots(self, reqs: list[Request]) -> torch.Tensor:
-        """One new slot per request at position kv_len (caller made room); returns them.
-        O(len(reqs)): one table write for the batch, one list append per request."""
+        """One new slot per request at position kv_len (caller made room); returns them."""
         slots = self.pool.alloc(len(reqs))
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
-        pos = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
-        dev = self.table.table.device
-        self.table.table[rows.to(dev), pos.to(dev)] = slots.to(dev, torch.int32)
-        for req, slot in zip(reqs, slots.tolist()):
-            req.decode_slots.append(slot)
-            req.kv_len += 1
+        self.append_slots(reqs, [[slot] for slot in slots.tolist()])
         return slots
+
+    def append_slots(self, reqs: list[Request], slots: list[list[int]]) -> None:
+        """Give each request its slots (already taken from the pool: a decode step's, or a speculative step's
+        accepted tree nodes) at positions kv_len.. in order. O(tokens added): one table write for the batch,
+        one list extend per request."""
+        rows = [r.row for r, s in zip(reqs, slots) for _ in s]
+        pos = [p for r, s in zip(reqs, slots) for p in range(r.kv_len, r.kv_len + len(s))]
+        flat = [x for s in slots for x in s]
+        dev = self.table.table.device
+        self.table.table[torch.tensor(rows, dtype=torch.int64, device=dev),
+                         torch.tensor(pos, dtype=torch.int64, device=dev)] = torch.tensor(flat, dtype=torch.int32,
+                                                                                        device=dev)
+        for req, s in zip(reqs, slots):
+            req.decode_slots.extend(s)
+            req.kv_len += len(s)
 
     def drop_decode_slots(self, reqs: list[Request]) -> None:
         """Undo `append_decode_slots` for reqs (their step failed before computing the token): free the last

@@ -496,7 +496,7 @@ class Scheduler:
         if not reqs:
             return None
         self._launching = reqs
-        self.spec.step(reqs, self.outputs)
+        self.spec.step(reqs, self.outputs, self.mem)
         self._counters["decode_steps"] += 1
         self.reservation.decode_step()
         self._failed_in_a_row = 0

@@ -80,18 +80,19 @@ class SpecDecoder:
             extend_draft(self.runner, rows, starts, toks, torch.cat(hid))
 
     # ---- decode ----------------------------------------------------------------------
-    def step(self, reqs, outputs) -> None:
+    def step(self, reqs, outputs, mem) -> None:
         """One speculative step for `reqs` (the scheduler's decode batch, each with `slots_per_req` KV slots
-        free for it); the emitted tokens go to `outputs`. Synchronous: nothing is left to process later."""
-        self.stats.record(self._step(reqs, outputs))
+        free for it); accepted slots go to the requests through `mem` (the scheduler's RequestMemory), the
+        emitted tokens to `outputs`. Synchronous: nothing is left to process later."""
+        self.stats.record(self._step(reqs, outputs, mem))
 
-    def _step(self, reqs, outputs) -> list[int]:
+    def _step(self, reqs, outputs, mem) -> list[int]:
         runner, pool = self.runner, self.runner.kv_pool
         b, n = len(reqs), self.nodes
         kv = [r.kv_len for r in reqs]
         rows = [r.row for r in reqs]
         first = self._draft_extend(reqs)
-        draft_slots = pool.alloc(b * (self.steps - 1) * self.topk)
+        draft_slots = pool.alloc(b * (self.steps - 1) * self.topk)  # scratch: back to the pool in this step
         verify_slots = pool.alloc(b * n)
         try:
             packed = draft_tree(runner, first[0], first[1], [r.token_ids[-1] for r in reqs], rows, kv,
@@ -100,11 +101,11 @@ class SpecDecoder:
             out = self._verify(tree, rows, kv, verify_slots)
             paths, bonus = self._accept(reqs, tree, kv, out.logits)
         except BaseException:
-            pool.free(draft_slots)
             pool.free(verify_slots)
             raise
-        pool.free(draft_slots)
-        emitted = self._commit(reqs, tree, paths, bonus, verify_slots, out.hidden)
+        finally:
+            pool.free(draft_slots)
+        emitted = self._commit(reqs, tree, paths, bonus, verify_slots, out.hidden, mem)
         self._emit(reqs, emitted, paths, out.logits, outputs)
         return [len(e) for e in emitted]
 
@@ -158,25 +159,20 @@ class SpecDecoder:
         packed = self.runner.share_sampled(packed.to(self.runner.device)).tolist()
         return [row[2:2 + row[0]] for row in packed], [row[1] for row in packed]
 
-    def _commit(self, reqs, tree, paths, bonus, verify_slots: torch.Tensor, hidden: torch.Tensor) -> list[list[int]]:
-        """Accepted nodes' slots into the request table at positions kv_len.., the rest freed; the emitted
-        tokens per request."""
-        n, pool, table = self.nodes, self.runner.kv_pool, self.runner.req_to_token.table
+    def _commit(self, reqs, tree, paths, bonus, verify_slots: torch.Tensor, hidden: torch.Tensor,
+                mem) -> list[list[int]]:
+        """Accepted nodes' slots become the requests' positions kv_len.. (`mem.append_slots`), the other
+        nodes' go back to the pool; the emitted tokens per request."""
+        n = self.nodes
         vs = verify_slots.view(len(reqs), n)
         keep_mask = torch.zeros(len(reqs), n, dtype=torch.bool)
-        t_rows, t_pos, emitted, hid_rows = [], [], [], []
-        for i, (req, path) in enumerate(zip(reqs, paths)):
+        emitted, hid_rows = [], []
+        for i, path in enumerate(paths):
             keep_mask[i, path] = True
-            t_rows += [req.row] * len(path)
-            t_pos += range(req.kv_len, req.kv_len + len(path))
-            req.decode_slots.extend(vs[i, path].tolist())
-            req.kv_len += len(path)
             hid_rows.append([i * n + j for j in path])
             emitted.append([tree.tokens[i][j] for j in path[1:]] + [bonus[i]])
-        dev = table.device
-        table[torch.tensor(t_rows, device=dev), torch.tensor(t_pos, device=dev)] = \
-            vs[keep_mask].to(dev, table.dtype)
-        pool.free(vs[~keep_mask])
+        mem.append_slots(reqs, [vs[i, path].tolist() for i, path in enumerate(paths)])
+        self.runner.kv_pool.free(vs[~keep_mask])
         for req, rws in zip(reqs, hid_rows):
             req.spec.hidden = hidden[torch.tensor(rws, device=hidden.device)]
         return emitted
