@@ -166,7 +166,7 @@ def run_ablation(rows: list[Row], settings: Settings) -> list[RowResult]:
         for i, row in enumerate(rows, 1):
             progress.update(task, description=f"row {i}/{len(rows)}: {row.label}")
             spent = time.monotonic() - start
-            res = over_budget(i, row, settings, spent) or _refused(i, row)
+            res = _refused(i, row) or over_budget(i, row, settings, spent)  # refusals need no time: decided first
             if res is None:
                 left = settings.time_budget - spent if settings.time_budget is not None else settings.row_timeout
                 res = run_row(i, row, dataclasses.replace(settings, row_timeout=min(settings.row_timeout, left)))

@@ -1,7 +1,10 @@
 """CUDA graphs for decode: capture one graph per batch size, replay with padded inputs.
 
 All graphs read their inputs from one set of static buffers sized for the largest
-captured batch and share one memory pool (captured largest first). A decode batch
+captured batch and share one memory pool (captured largest first). The runner captures the
+model's decode forward, and with speculative decoding a second runner captures the MTP layer's
+(its hidden-state input is one more static buffer); both serve tree forwards, whose rows point
+at the request table's scratch rows (engine/memory/pools.py). A decode batch
 of size b is padded to the smallest captured size >= b: padding rows point at the
 request table's padding row (every slot 0, the KV pool's scratch slot) with
 sequence length 1, so they attend to one scratch token and write only scratch.
@@ -36,7 +39,9 @@ log = logging.getLogger(__name__)
 class CudaGraphRunner:
     def __init__(self, forward: Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor]], batch_sizes: list[int],
                  padding_row: int, device: torch.device, compiled_forward=None, compile_max_bs: int = 0,
-                 prepare: Callable[[ForwardBatch, int], None] = lambda fb, bs: None, capture: bool = True):
+                 prepare: Callable[[ForwardBatch, int], None] = lambda fb, bs: None, capture: bool = True,
+                 spec_hidden: Optional[tuple[int, torch.dtype]] = None):
+        """spec_hidden: (width, dtype) of the MTP layer's hidden-state input, for graphs of its forward."""
         self.sizes = sorted(batch_sizes)
         self.forward = forward
         self.max_bs = self.sizes[-1]
@@ -49,6 +54,8 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
+        self.spec_hidden = None if spec_hidden is None else torch.zeros(n, spec_hidden[0], dtype=spec_hidden[1],
+                                                                        device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batches: dict[int, ForwardBatch] = {}  # the static batch each graph was captured with
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -80,6 +87,7 @@ class CudaGraphRunner:
             out_cache_loc=self.out_cache_loc[:bs], extend_lens=torch.ones_like(self.seq_lens[:bs]),
             prefix_lens=self.seq_lens[:bs] - 1, logits_indices=self.logits_indices[:bs],
             seq_lens_cpu=[1] * bs, extend_lens_cpu=[1] * bs, prefix_lens_cpu=[0] * bs,
+            spec_hidden=None if self.spec_hidden is None else self.spec_hidden[:bs],
         )
 
     def can_run(self, fb: ForwardBatch) -> bool:
@@ -95,6 +103,8 @@ class CudaGraphRunner:
         self.req_pool_indices[:b].copy_(fb.req_pool_indices)
         self.seq_lens[:b].copy_(fb.seq_lens)
         self.out_cache_loc[:b].copy_(fb.out_cache_loc)
+        if self.spec_hidden is not None:
+            self.spec_hidden[:b].copy_(fb.spec_hidden)
         logits, hidden = self._run_padded(b, bs, list(fb.seq_lens_cpu))
         return logits[:b], hidden[:b]
 
@@ -110,6 +120,8 @@ class CudaGraphRunner:
             self.req_pool_indices[b:bs].fill_(self.padding_row)
             self.seq_lens[b:bs].fill_(1)
             self.out_cache_loc[b:bs].zero_()
+            if self.spec_hidden is not None:
+                self.spec_hidden[b:bs].zero_()
         lens = lens + [1] * (bs - b)  # host copy of what the static buffers now hold
         batch = dataclasses.replace(self.batches[bs], seq_lens_cpu=lens, prefix_lens_cpu=[n - 1 for n in lens])
         self.prepare(batch, bs)

@@ -75,12 +75,12 @@ class ForwardBatch:
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
 
         def t(values):
-            return _int64(values).to(device)
+            return to_device(values, device)
 
         return cls(
             mode=mode,
             input_ids=t(input_ids),
-            positions=_positions(prefix_lens, extend_lens, len(input_ids)).to(device),
+            positions=tensor_to_device(_positions(prefix_lens, extend_lens, len(input_ids)), device),
             req_pool_indices=t(req_rows),
             seq_lens=t(seq_lens),
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
@@ -91,6 +91,20 @@ class ForwardBatch:
             extend_lens_cpu=list(extend_lens),
             prefix_lens_cpu=list(prefix_lens),
         )
+
+
+def to_device(values, device: torch.device) -> torch.Tensor:
+    """Host ints as an int64 tensor on `device` (`tensor_to_device`)."""
+    return tensor_to_device(_int64(values), device)
+
+
+def tensor_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU through pinned memory without blocking: a copy from pageable
+    memory would first wait for all the work queued on the stream, so the host could not prepare the
+    next forward while the GPU runs this one."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _int64(values) -> torch.Tensor:

@@ -54,6 +54,17 @@ def _timed(into: dict[str, float], name: str):
     into[name] = time.perf_counter() - start
 
 
+def _raise_recompile_limits() -> None:
+    """torch.compile specialises each layer's code per layer index and batch size, and every engine built in
+    a process adds its own modules: past dynamo's default recompile limit (8 per code object) it falls
+    back to eager mid-graph, which breaks CUDA-graph capture. Allow one compile per layer and size."""
+    import torch._dynamo.config as dynamo_config
+
+    for name, floor in (("recompile_limit", 1024), ("accumulated_recompile_limit", 8192)):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), floor))
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -94,7 +105,7 @@ class ModelRunner:
             self._build_model()
         with _timed(phases, "KV pool"):
             self._init_memory()
-        self.graphs = None
+        self.graphs = self.mtp_graphs = None
         if self.setup.cuda_graphs:
             with _timed(phases, "CUDA graphs"):
                 self.build_graph_runner(list(self.setup.graph_batch_sizes))
@@ -127,8 +138,15 @@ class ModelRunner:
         """Decode batch sizes captured in CUDA graphs ([] when graphs are off)."""
         if self.device.type != "cuda" or self.args.kernels.disable_cuda_graph:
             return []
-        sizes = [b for b in self.args.kernels.cuda_graph_batch_sizes() if b <= self.max_running_requests]
+        limit = self.max_running_requests * self._rows_per_request()
+        sizes = [b for b in self.args.kernels.cuda_graph_batch_sizes() if b <= limit]
         return sizes or [1]
+
+    def _rows_per_request(self) -> int:
+        """Decode-batch rows one running request can take: 1, or with speculative decoding one per
+        draft-tree node (verify), per top-k frontier node (draft) or per pending position (draft KV)."""
+        spec = self.args.speculative
+        return max(spec.speculative_num_draft_tokens, spec.speculative_eagle_topk) if spec.enabled else 1
 
     # ---- construction ------------------------------------------------------
     def _fp8_block(self) -> Optional[tuple[int, int]]:
@@ -196,22 +214,35 @@ class ModelRunner:
         --torch-compile-max-bs when enabled); capture=False runs them eagerly (CPU tests)."""
         from engine.cuda_graph import CudaGraphRunner
 
-        compiled = None
+        spec = self.args.speculative.enabled
+        compiled = compiled_mtp = None
         if capture and self.args.kernels.enable_torch_compile:
             import torch._inductor.config as inductor_config
 
             # Round intermediates to bf16 where eager does, so compiled decode matches eager greedy output.
             inductor_config.emulate_precision_casts = True
+            _raise_recompile_limits()
             compiled = torch.compile(self._forward_eager, dynamic=False)
+            compiled_mtp = torch.compile(self._forward_mtp_eager, dynamic=False) if spec else None
+        if spec:  # tree forwards run through the graphs with their KV lists in scratch rows
+            self.req_to_token.reserve_scratch(max(batch_sizes))
+        common = dict(batch_sizes=batch_sizes, padding_row=self.req_to_token.padding_row, device=self.device,
+                      compile_max_bs=self.args.kernels.torch_compile_max_bs, prepare=self._prepare_graph,
+                      capture=capture)
         with torch.inference_mode():
-            self.graphs = CudaGraphRunner(self._forward_eager, batch_sizes, self.req_to_token.padding_row,
-                                          self.device, compiled, self.args.kernels.torch_compile_max_bs,
-                                          prepare=self._prepare_graph, capture=capture)
+            self.graphs = CudaGraphRunner(self._forward_eager, compiled_forward=compiled, **common)
+            if spec:
+                self.mtp_graphs = CudaGraphRunner(self._forward_mtp_eager, compiled_forward=compiled_mtp,
+                                                  spec_hidden=(self.config.hidden_size, self.dtype), **common)
 
     # ---- forward -----------------------------------------------------------
     def _forward_eager(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model.hidden_states(fb, self.forward_ctx)
         return self.model.logits(hidden[fb.logits_indices]), hidden
+
+    def _forward_mtp_eager(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.mtp(fb, self.forward_ctx)
+        return self.mtp.logits(hidden[fb.logits_indices]), hidden
 
     def _prepare_graph(self, fb: ForwardBatch, bs: int) -> None:
         """Before a CUDA graph's capture or replay (fb: its padded static batch of size bs): the backends'
@@ -264,7 +295,7 @@ class ModelRunner:
         from engine.distributed.dp_attention import MTP
 
         if agreed.graph_bs is not None:
-            self.graphs.replay_padding(agreed.graph_bs)
+            (self.mtp_graphs if agreed.kind == MTP else self.graphs).replay_padding(agreed.graph_bs)
             return
         if agreed.gather.total == 0:
             return
@@ -278,13 +309,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
-        graphable = self.graphs is not None and self.graphs.can_run(fb)
-        graph_bs = self._agree_dp(TARGET, fb.num_tokens, graphable)
+        return self._run(TARGET, fb, self.graphs, self._forward_eager)
+
+    def _run(self, kind: int, fb: ForwardBatch, graphs, eager) -> ForwardOutput:
+        """One forward of `kind` (the model or the MTP layer): the CUDA graph when one holds fb (under DP
+        attention: when every group's does, at the agreed size), else eagerly."""
+        graphable = graphs is not None and graphs.can_run(fb)
+        graph_bs = self._agree_dp(kind, fb.num_tokens, graphable)
         if graph_bs is not None or (graphable and not self.dp_attention):
-            logits, hidden = self.graphs.replay(fb, graph_bs)
+            logits, hidden = graphs.replay(fb, graph_bs)
         else:
             self.forward_ctx.begin_forward(fb)
-            logits, hidden = self._forward_eager(fb)
+            logits, hidden = eager(fb)
         return ForwardOutput(logits=logits, hidden=hidden)
 
     def share_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -294,11 +330,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_tree(self, fb: ForwardBatch, table, mtp: bool = False) -> ForwardOutput:
-        """Speculative decoding: an eager forward of the model (or, with `mtp`, the MTP layer) whose attention
-        reads `table` (engine/speculative/tree_table.py: one KV index list per tree node) instead of the
-        request table. Never a CUDA graph: the graphs hold the request table's address."""
+        """Speculative decoding: a decode-mode forward of the model (or, with `mtp`, the MTP layer) whose row i
+        attends to the KV slots of row i of `table` (engine/speculative/tree_table.py: one KV index list
+        per tree node). The lists go to the request table's scratch rows, so the decode CUDA graphs run
+        it; when they do not fit there, it runs eagerly with `table` in place of the request table."""
         from dataclasses import replace
 
+        rows = self.req_to_token.write_scratch(table.table)
+        if rows is not None:
+            return self.forward_mtp(replace(fb, req_pool_indices=rows)) if mtp else self.forward(
+                replace(fb, req_pool_indices=rows))
         self._agree_dp(MTP if mtp else TARGET, fb.num_tokens)
         ctx = replace(self.forward_ctx, req_to_token=table)
         ctx.begin_forward(fb)
@@ -310,9 +351,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_mtp(self, fb: ForwardBatch) -> ForwardOutput:
+        """The MTP layer: a draft-KV extend (eager) or a decode-mode batch (its CUDA graph when one holds it)."""
         if self.mtp is None:
             raise UsageError("this checkpoint has no MTP/NextN layer (num_nextn_predict_layers = 0)")
-        self._agree_dp(MTP, fb.num_tokens)
-        self.forward_ctx.begin_forward(fb)
-        hidden = self.mtp(fb, self.forward_ctx)
-        return ForwardOutput(logits=self.mtp.logits(hidden[fb.logits_indices]), hidden=hidden)
+        return self._run(MTP, fb, self.mtp_graphs, self._forward_mtp_eager)

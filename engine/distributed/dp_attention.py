@@ -94,8 +94,9 @@ def agree(kind: int, tokens: int, group: TPGroup, graph_sizes: Sequence[int] = (
     of steps the groups are in (a speculative step runs several MTP forwards before its target forward),
     and the iteration ends when every rank offers DONE.
 
-    The groups replay CUDA graphs of one padded size when the forward is a target forward that every
-    contributing group can run as a graph (`graphable`: a decode batch a captured graph holds) and one
+    The groups replay CUDA graphs of one padded size when the forward is a target or MTP forward that
+    every contributing group can run as a graph (the model's graphs or the MTP layer's, captured at the
+    same sizes) (`graphable`: a decode batch a captured graph holds) and one
     group has tokens: the size is the smallest of `graph_sizes` (the captured sizes, the same on every
     rank) that holds the largest group's batch, and the gather is `uniform` at that size."""
     every = comm.all_gather_ints((kind << _KIND_SHIFT) | (tokens << 1) | int(graphable), group)
@@ -107,7 +108,7 @@ def agree(kind: int, tokens: int, group: TPGroup, graph_sizes: Sequence[int] = (
     counts = [(v & ((1 << _KIND_SHIFT) - 1)) >> 1 if m else 0 for v, m in zip(firsts, mine)]
     widest = max(counts)
     graphs = all(v & 1 or not c for v, c in zip(firsts, counts))
-    if run == TARGET and graph_sizes and graphs and 0 < widest <= max(graph_sizes):
+    if run in (TARGET, MTP) and graph_sizes and graphs and 0 < widest <= max(graph_sizes):
         bs = min(s for s in graph_sizes if s >= widest)
         return Agreement(run, uniform(group, bs), bs)
     return Agreement(run, DPGather(group, counts), None)

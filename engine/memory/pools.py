@@ -10,6 +10,8 @@ get slots 1..size. `ReqToTokenPool` maps (request row, position) -> slot.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from engine.config import ModelConfig
@@ -78,12 +80,36 @@ class KVPool:
 
 
 class ReqToTokenPool:
-    """max_reqs allocatable rows plus one padding row (all slot 0) for padded CUDA-graph batches."""
+    """max_reqs allocatable rows, one padding row (all slot 0) for padded CUDA-graph batches, then
+    `reserve_scratch` rows: speculative decoding writes one KV index list per draft-tree node there
+    (engine/speculative/tree_table.py), so that tree forwards run through the decode CUDA graphs,
+    which hold this table's address."""
 
     def __init__(self, max_reqs: int, max_context: int, device: torch.device):
         self.table = torch.zeros(max_reqs + 1, max_context, dtype=torch.int32, device=device)
         self.padding_row = max_reqs
+        self.num_scratch = 0
         self._free_rows = list(range(max_reqs - 1, -1, -1))
+
+    def reserve_scratch(self, rows: int) -> None:
+        """Grow the scratch region to `rows` rows (reallocates the table: call before any CUDA graph
+        capture that reads it)."""
+        if rows <= self.num_scratch:
+            return
+        grown = torch.zeros(self.padding_row + 1 + rows, self.table.shape[1], dtype=self.table.dtype,
+                            device=self.table.device)
+        grown[:self.table.shape[0]] = self.table
+        self.table, self.num_scratch = grown, rows
+
+    def write_scratch(self, lists: torch.Tensor) -> Optional[torch.Tensor]:
+        """Write KV index lists [R, W] into the first R scratch rows and return those rows' indices, or
+        None when they do not fit (more rows than reserved, or wider than the table)."""
+        r, w = lists.shape
+        if r > self.num_scratch or w > self.table.shape[1]:
+            return None
+        first = self.padding_row + 1
+        self.table[first:first + r, :w] = lists
+        return torch.arange(first, first + r, dtype=torch.int64, device=self.table.device)
 
     def available(self) -> int:
         return len(self._free_rows)

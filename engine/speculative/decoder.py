@@ -22,7 +22,9 @@ One step, for the running requests with kv_len = m (the last accepted token, the
    later tokens of the run are dropped (the KV beyond is freed when the request is released).
 
 The step synchronises (it reads the tree and the acceptance on the host), so with the overlap
-scheduler on it first processes the step in flight. Its forwards run eagerly (no CUDA graphs).
+scheduler on it first processes the step in flight. Its forwards (steps 1-3) are decode-mode batches:
+with CUDA graphs on, the model's and the MTP layer's graphs (torch.compile'd where enabled) run them,
+the tree rows' KV lists sitting in the request table's scratch rows (ModelRunner.forward_tree).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ import torch
 
 from engine.args import SpeculativeArgs
 from engine.errors import UsageError
+from engine.forward_batch import tensor_to_device, to_device
 from engine.sampling import SampleResult
 from engine.speculative.accept import accept_greedy, accept_sampled, children_of, target_probs
-from engine.speculative.draft import draft_tree, extend_draft, unpack_tree
+from engine.speculative.draft import decode_draft, draft_tree, extend_draft, unpack_tree
 from engine.speculative.stats import SpecStats
 from engine.speculative.tree_table import build_tree_table, tree_batch
 
@@ -113,11 +116,11 @@ class SpecDecoder:
         """Draft KV for each request's pending positions; (logits, hidden) of its last one."""
         starts = [r.spec.mtp_len for r in reqs]
         toks = [r.token_ids[r.spec.mtp_len + 1:r.kv_len + 1] for r in reqs]
-        out = extend_draft(self.runner, [r.row for r in reqs], starts, toks, torch.cat([r.spec.hidden for r in reqs]))
-        last = torch.tensor([len(t) for t in toks]).cumsum(0) - 1
+        out = decode_draft(self.runner, [r.row for r in reqs], starts, toks, torch.cat([r.spec.hidden for r in reqs]))
+        last = to_device([len(t) for t in toks], out.hidden.device).cumsum(0) - 1
         for r in reqs:
             r.spec.mtp_len, r.spec.hidden = r.kv_len, None
-        return out.logits, out.hidden[last.to(out.hidden.device)]
+        return out.logits[last], out.hidden[last]
 
     def _verify(self, tree, rows: list[int], kv: list[int], verify_slots: torch.Tensor):
         """One target forward over every tree node (node j of request i: row i * N + j)."""
@@ -133,10 +136,9 @@ class SpecDecoder:
                 lens.append(len(path))
                 pos.append(kv[i] + depths[j])
                 seq.append(kv[i] + depths[j] + 1)
-        table = build_tree_table(runner.req_to_token.table, torch.tensor(rows, device=dev).repeat_interleave(n),
-                                 torch.tensor(kv, device=dev).repeat_interleave(n), anc.to(dev),
-                                 torch.tensor(lens, device=dev))
-        ids = torch.tensor([t for toks in tree.tokens for t in toks], device=dev)
+        table = build_tree_table(runner.req_to_token.table, to_device(rows, dev).repeat_interleave(n),
+                                 to_device(kv, dev).repeat_interleave(n), tensor_to_device(anc, dev), to_device(lens, dev), max(kv))
+        ids = to_device([t for toks in tree.tokens for t in toks], dev)
         fb = tree_batch(ids, pos, seq, verify_slots, dev, runner.max_model_len)
         return runner.forward_tree(fb, table)
 
@@ -156,7 +158,7 @@ class SpecDecoder:
                                              tree.tokens[i], kids, live, req.generator)
             packed[i, 0], packed[i, 1] = len(path), bonus
             packed[i, 2:2 + len(path)] = torch.tensor(path)
-        packed = self.runner.share_sampled(packed.to(self.runner.device)).tolist()
+        packed = self.runner.share_sampled(tensor_to_device(packed, self.runner.device)).tolist()
         return [row[2:2 + row[0]] for row in packed], [row[1] for row in packed]
 
     def _commit(self, reqs, tree, paths, bonus, verify_slots: torch.Tensor, hidden: torch.Tensor,
@@ -174,7 +176,7 @@ class SpecDecoder:
         mem.append_slots(reqs, [vs[i, path].tolist() for i, path in enumerate(paths)])
         self.runner.kv_pool.free(vs[~keep_mask])
         for req, rws in zip(reqs, hid_rows):
-            req.spec.hidden = hidden[torch.tensor(rws, device=hidden.device)]
+            req.spec.hidden = hidden[to_device(rws, hidden.device)]
         return emitted
 
     def _emit(self, reqs, emitted, paths, logits: torch.Tensor, outputs) -> None:

@@ -2,7 +2,9 @@
 
 `extend_draft` runs the MTP layer over the positions of each request whose draft KV is missing (the
 target's hidden state at position i and the token at i + 1 in, the draft KV of position i out, at the
-request's own slots in the pool's MTP layer); its last row per request is the first draft step.
+request's own slots in the pool's MTP layer); its last row per request is the first draft step. After
+a prefill it runs as an extend; in a decode step (a few positions per request) `decode_draft` runs it
+as a decode-mode batch, which the MTP layer's CUDA graphs hold.
 `draft_tree` then runs the remaining steps: each of the top-k frontier nodes feeds its token and the
 hidden state that predicted it back into the MTP layer (tree attention over the request's draft KV,
 its ancestors' scratch slots and its own), every frontier node proposes its top-k children, the
@@ -14,11 +16,11 @@ generation order, so that selection always contains every selected node's parent
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import ForwardBatch, ForwardMode, to_device
 from engine.runner import ForwardOutput
 from engine.speculative.tree_table import build_tree_table, tree_batch
 
@@ -43,6 +45,20 @@ def extend_draft(runner, rows: list[int], starts: list[int], tokens: list[list[i
     return runner.forward_mtp(fb)
 
 
+def decode_draft(runner, rows: list[int], starts: list[int], tokens: list[list[int]],
+                 hidden: torch.Tensor) -> ForwardOutput:
+    """`extend_draft` as a decode-mode batch, for a decode step's few pending positions: one row per
+    position (its request's table row, sequence length position + 1; the MTP layer writes every row's KV
+    before attending), so the MTP layer's CUDA graphs run it. Logits for every row."""
+    dev = runner.device
+    pos = [s + i for s, t in zip(starts, tokens) for i in range(len(t))]
+    req_rows = to_device([r for r, t in zip(rows, tokens) for _ in t], dev)
+    slots = runner.req_to_token.table[req_rows, to_device(pos, dev)].to(torch.int64)
+    ids = to_device([x for t in tokens for x in t], dev)
+    fb = tree_batch(ids, pos, [p + 1 for p in pos], slots, dev, runner.max_model_len)
+    return runner.forward_mtp(replace(fb, req_pool_indices=req_rows, spec_hidden=hidden))
+
+
 def draft_tree(runner, first_logits: torch.Tensor, first_hidden: torch.Tensor, roots: list[int],
                rows: list[int], kv_lens: list[int], draft_slots: torch.Tensor, steps: int, topk: int,
                num_nodes: int) -> torch.Tensor:
@@ -59,15 +75,15 @@ def draft_tree(runner, first_logits: torch.Tensor, first_hidden: torch.Tensor, r
     f_tok, f_score = tok, score
     f_hidden = first_hidden[:, None, :].expand(b, k, first_hidden.shape[-1])
     f_anc = torch.empty(b, k, 0, dtype=torch.int64, device=dev)
-    req_rows = torch.tensor(rows, device=dev).repeat_interleave(k)
-    prefix = torch.tensor(kv_lens, device=dev).repeat_interleave(k)
+    req_rows = to_device(rows, dev).repeat_interleave(k)
+    prefix = to_device(kv_lens, dev).repeat_interleave(k)
     draft_slots = draft_slots.to(dev)
     offset = k
     for d in range(2, steps + 1):
         own = draft_slots[:, d - 2, :]
         anc = torch.cat((f_anc, own[..., None]), dim=-1)  # [B, K, d - 1]: ancestors' draft slots, then its own
         table = build_tree_table(runner.req_to_token.table, req_rows, prefix, anc.reshape(b * k, d - 1),
-                                 torch.full((b * k,), d - 1, device=dev))
+                                 torch.full((b * k,), d - 1, device=dev), max(kv_lens))
         seq = [m + d - 1 for m in kv_lens for _ in range(k)]
         fb = tree_batch(f_tok.reshape(-1), [s - 1 for s in seq], seq, own.reshape(-1), dev, runner.max_model_len)
         fb.spec_hidden = f_hidden.reshape(b * k, -1)
@@ -97,7 +113,7 @@ def _select(tok, score, parent, depth, roots: list[int], num_nodes: int) -> torc
     node_of.scatter_(1, sel, torch.arange(1, num_nodes, device=dev).expand(b, num_nodes - 1))
     par = parent.gather(1, sel)
     par_node = torch.where(par < 0, 0, node_of.gather(1, par.clamp(min=0)))
-    col = torch.tensor(roots, dtype=torch.int64, device=dev)[:, None]
+    col = to_device(roots, dev)[:, None]
     zero = torch.zeros_like(col)
     packed = torch.stack((torch.cat((col, tok.gather(1, sel)), 1), torch.cat((zero - 1, par_node), 1),
                           torch.cat((zero, depth.gather(1, sel)), 1)))

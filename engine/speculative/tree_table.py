@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import ForwardBatch, ForwardMode, to_device
 
 
 @dataclass
@@ -27,15 +27,16 @@ class TreeTable:
 
 
 def build_tree_table(req_table: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
-                     extra: torch.Tensor, extra_lens: torch.Tensor) -> TreeTable:
+                     extra: torch.Tensor, extra_lens: torch.Tensor, max_prefix: int) -> TreeTable:
     """Row i: req_table[req_rows[i], :prefix_lens[i]] then extra[i, :extra_lens[i]].
 
-    All arguments on the table's device; req_rows / prefix_lens / extra_lens [R], extra [R, D]. The
-    width is max(prefix) + D, so the copy is R x that (one step's nodes, not the whole context)."""
+    All tensors on the table's device; req_rows / prefix_lens / extra_lens [R], extra [R, D]; max_prefix:
+    the largest prefix length, from the host (reading it from the device would wait for the GPU). The
+    width is max_prefix + D, so the copy is R x that (one step's nodes, not the whole context)."""
     dev = req_table.device
     rows = req_rows.numel()
     depth = extra.shape[1]
-    width = (int(prefix_lens.max()) if rows else 0) + depth
+    width = (max_prefix if rows else 0) + depth
     base = torch.zeros(rows, width, dtype=req_table.dtype, device=dev)
     w = min(width, req_table.shape[1])
     if rows:
@@ -54,7 +55,7 @@ def tree_batch(input_ids: torch.Tensor, positions: list[int], seq_lens: list[int
     positions: each row's position (clamped to max_position: rows past the context limit are computed
     but never accepted); seq_lens: its KV list length."""
     def t(values):
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return to_device(values, device)
 
     n = len(seq_lens)
     prefix = [s - 1 for s in seq_lens]

@@ -199,6 +199,16 @@ def test_time_budget_stops_the_running_row_and_skips_the_rest(tmp_path, monkeypa
     assert all(r.log == "" for r in results[1:])
 
 
+def test_rows_refused_up_front_keep_their_reason_after_the_budget(tmp_path, monkeypatch):
+    """A spent --time-budget does not hide why a row cannot run here: refusals (no process) come first."""
+    rows = make_rows(EngineArgs.of(model="tiny", device="cpu"), cuda=False)
+    monkeypatch.setattr(bench_ablation, "run_row", lambda i, row, settings: pytest.fail("no row may start"))
+    results = run_ablation(rows, Settings(out_dir=tmp_path, time_budget=0.0))
+    reasons = {r.reason.split(" (")[0].split(":")[0] for r in results}
+    assert any(r.reason.startswith(("needs a CUDA GPU", "needs --tp > 1")) for r in results)
+    assert "not started" in reasons and all(r.log == "" for r in results)
+
+
 def test_failure_reason_picks_the_error_line():
     tb = ("starting\nTraceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n    f()\n"
           "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")

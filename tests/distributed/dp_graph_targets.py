@@ -16,3 +16,11 @@ def padded_decode_engine(args, local_rank: int) -> Engine:
     engine = Engine(args, local_rank=local_rank)
     engine.runner.build_graph_runner(PADDED_SIZES, capture=False)
     return engine
+
+
+def padded_spec_engine(args, local_rank: int) -> Engine:
+    """The same for speculative decoding: its tree forwards (up to 8 rows per request) through padded
+    batches of the model's and the MTP layer's graph runners, larger ones eagerly."""
+    engine = Engine(args, local_rank=local_rank)
+    engine.runner.build_graph_runner([1, 2, 4, 8, 16, 32], capture=False)
+    return engine

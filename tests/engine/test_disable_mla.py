@@ -182,7 +182,8 @@ def test_cuda_graphs_and_the_absorbed_path_agree_on_gpu(checkpoints, variant):
     runs = {}
     for name, flags in (("graphs", dict(disable_mla=True)), ("eager", dict(disable_mla=True, disable_cuda_graph=True)),
                         ("mla", dict())):
-        eng = Engine(model=str(checkpoints[variant]), device="cuda", dtype="bfloat16", cuda_graph_bs="1,2,4", **flags)
+        eng = Engine(model=str(checkpoints[variant]), device="cuda", dtype="bfloat16", cuda_graph_bs="1,2,4",
+                     max_total_tokens=16384, **flags)  # a small pool: three engines in turn on one GPU
         assert (eng.runner.graphs is not None) == (name != "eager")
         runs[name] = eng.generate(input_ids=prompts, sampling_params=sp)
         eng.close()

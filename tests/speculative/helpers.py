@@ -72,3 +72,24 @@ def oracle_draft(monkeypatch, eng, refs: dict[tuple, list[int]], corrupt_every: 
     monkeypatch.setattr(decoder_mod, "draft_tree", fake)
     yield calls
     monkeypatch.setattr(decoder_mod, "draft_tree", real)
+
+
+def same_up_to_ties(got: list[list[int]], ref, tie: float = 0.3) -> int:
+    """Greedy outputs on a GPU, where a verify forward batches other rows than a decode step and may round
+    differently: each of `got` must equal its `ref` (GenerateOutputs with top_logprobs >= 2) or first leave
+    it at a near-tie, where ref's two best log-probs are within `tie` (a fault leaves it at clear choices).
+    The default allows for bf16 logits (the LM head's output): between 16 and 32 they step by 0.125, so
+    one rounding difference in the last hidden state moves a gap by a step or two. Returns how many
+    tokens are equal before any such flip."""
+    same = 0
+    for i, (g, r) in enumerate(zip(got, ref)):
+        n = next((j for j, (a, b) in enumerate(zip(g, r.token_ids)) if a != b), None)
+        if n is None:
+            assert len(g) == len(r.token_ids), f"prompt {i}: {len(g)} tokens vs {len(r.token_ids)}"
+            same += len(g)
+            continue
+        (_, best), (_, second) = r.top_logprobs[n][:2]
+        assert best - second < tie, (f"prompt {i} leaves the reference at a clear choice: position {n}, "
+                                     f"log-prob gap {best - second:.3f}: {g} vs {r.token_ids}")
+        same += n
+    return same

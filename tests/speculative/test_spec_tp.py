@@ -2,10 +2,16 @@
 group's) rank 0's tree and acceptance, and
 greedy token ids equal the one-process engine's with speculation off."""
 
+import functools
+
+import pytest
+
 from engine.args import EngineArgs
 from engine.engine import Engine
 from engine.ranked import RankedEngine
 from engine.sampling import SamplingParams
+from engine.server.engine_process import engine_main
+from tests.distributed.dp_graph_targets import padded_spec_engine
 from tests.speculative.helpers import FLAGS, SPEC, prompts
 
 
@@ -23,19 +29,23 @@ def test_tp2_greedy_identical_to_one_process_without_spec():
     assert all(len(o.token_ids) == 4 for o in sampled)
 
 
-def test_dp_attention_greedy_identical_to_one_process_without_spec():
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded-graphs"])
+def test_dp_attention_greedy_identical_to_one_process_without_spec(padded):
     """--tp 2 --enable-dp-attention --dp 2 with speculation, on the trained tiny-py (its drafts are accepted,
     so the groups' spec steps emit different numbers of tokens and fall out of step with each other and
     with prefill steps): every forward is agreed between the groups (idle forwards of the other kind while
     a group drafts or prefills), and greedy tokens equal one process without speculation, with one group
-    loaded alone and with both."""
+    loaded alone and with both. `padded`: the forwards go through the CUDA-graph runners' padded batches
+    (capture=False on CPU), so the groups also agree on graph sizes for MTP and target forwards."""
+    main = functools.partial(engine_main, make_engine=padded_spec_engine) if padded else None
     flags = dict(FLAGS, max_total_tokens=2048)
     off = Engine(EngineArgs.of(model="tiny-py", **flags))
     ps = prompts(off.config.vocab_size, n=8, seed=5)
     params = [SamplingParams(max_new_tokens=6 + 3 * (i % 3), temperature=0, ignore_eos=True) for i in range(len(ps))]
     ref = [o.token_ids for o in off.generate(input_ids=ps, sampling_params=params)]
     with RankedEngine(EngineArgs.of(model="tiny-py", tp_size=2, enable_dp_attention=True, dp_size=2,
-                                    dist_timeout=60, **flags, **SPEC)) as eng:
+                                    dist_timeout=60, **flags, **SPEC),
+                       rank_main=main) as eng:
         alone = eng.generate(input_ids=ps[:3], sampling_params=params[:3], dp_rank=1)
         both = eng.generate(input_ids=ps, sampling_params=params)
     assert [o.token_ids for o in alone] == ref[:3]

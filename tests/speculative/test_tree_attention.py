@@ -16,7 +16,7 @@ def test_tree_table_rows_are_prefix_then_ancestors():
     req = torch.arange(100, dtype=torch.int32).view(4, 25)  # row r holds slots 25r .. 25r + 24
     rows, prefix = torch.tensor([2, 0, 2]), torch.tensor([5, 3, 0])
     extra = torch.tensor([[90, 91, 92], [80, 0, 0], [70, 71, 0]])
-    t = build_tree_table(req, rows, prefix, extra, torch.tensor([3, 1, 2])).table
+    t = build_tree_table(req, rows, prefix, extra, torch.tensor([3, 1, 2]), int(prefix.max())).table
     assert t.dtype == req.dtype and t.shape == (3, 8)
     assert t[0, :8].tolist() == [50, 51, 52, 53, 54, 90, 91, 92]
     assert t[1, :4].tolist() == [0, 1, 2, 80]
