@@ -56,10 +56,13 @@ def copy_bandwidth() -> float:
     return 2 * n / statistics.median(times)
 
 
-def layer_bytes(cfg, layer: int, bs: int, ctx: int, kv_bytes: int) -> dict:
-    """Bytes one decode step must read for one layer (FP8 weights = 1 byte, scales ignored)."""
+def layer_bytes(cfg, layer: int, bs: int, ctx: int, kv_bytes: int, weight_bytes: int = 1) -> dict:
+    """Bytes one decode step must read for one layer (weight_bytes per weight: 1 for FP8, scales ignored;
+    2 for bf16)."""
     h, heads = cfg.hidden_size, cfg.num_attention_heads
-    attn = (h * cfg.q_lora_rank + cfg.q_lora_rank * heads * cfg.qk_head_dim + h * cfg.kv_cache_dim
+    q_lora = cfg.q_lora_rank
+    q = h * q_lora + q_lora * heads * cfg.qk_head_dim if q_lora else h * heads * cfg.qk_head_dim  # V2-Lite: no q LoRA
+    attn = (q + h * cfg.kv_cache_dim
             + heads * cfg.kv_lora_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim) + heads * cfg.v_head_dim * h)
     kv = bs * ctx * cfg.kv_cache_dim * kv_bytes
     if cfg.is_moe_layer(layer):
@@ -69,13 +72,20 @@ def layer_bytes(cfg, layer: int, bs: int, ctx: int, kv_bytes: int) -> dict:
         mlp = (touched + cfg.n_shared_experts) * per_expert + e * h * 2  # + bf16 gate
     else:
         mlp = 3 * h * cfg.intermediate_size
-    return {"weights": attn + mlp, "kv": kv}
+    return {"weights": (attn + mlp) * weight_bytes, "kv": kv}
 
 
-def step_floor_s(cfg, n_layers: int, bs: int, ctx: int, kv_bytes: int, bw: float) -> float:
-    total = sum(sum(layer_bytes(cfg, i, bs, ctx, kv_bytes).values()) for i in range(n_layers))
+def step_floor_s(cfg, n_layers: int, bs: int, ctx: int, kv_bytes: int, bw: float, weight_bytes: int = 1) -> float:
+    total = sum(sum(layer_bytes(cfg, i, bs, ctx, kv_bytes, weight_bytes).values()) for i in range(n_layers))
     total += cfg.vocab_size * cfg.hidden_size * 2 + bs * cfg.hidden_size * 2  # lm_head + embedding rows
     return total / bw
+
+
+def serving_floor_ms(model: str, n_layers: int, bs: int, ctx: int, bw: float) -> float:
+    """The bytes floor of one decode step of a served registry model (dummy weights: FP8 where the
+    checkpoint is block-FP8, else bf16; bf16 KV) at batch bs and context ctx, in ms."""
+    cfg = parse_config(lookup(model).config_dict())
+    return step_floor_s(cfg, n_layers or cfg.num_hidden_layers, bs, ctx, 2, bw, 1 if cfg.fp8 else 2) * 1e3
 
 
 def per_layer_times(args: EngineArgs, bs: int) -> list[float]:

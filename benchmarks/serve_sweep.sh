@@ -13,6 +13,8 @@ CONCS=${CONCS:-"1 8 32 128 256 512 1024"}; IN=${IN:-1024}; OUTLEN=${OUTLEN:-256}
 TREE=${TREE:-.}; EXTRA=${EXTRA:-}
 mkdir -p "$OUT"
 layers=(); [ "$LAYERS" != full ] && layers=(--num-layers "$LAYERS")
+# copy bandwidth for the bytes floor of the table's last column, measured before the server takes the memory
+bw=$(python3 -c "import sys; sys.path.insert(0, '.'); from benchmarks.bench_decode import copy_bandwidth; print(copy_bandwidth())" 2>/dev/null || echo nan)
 start=$(date +%s.%N)
 # shellcheck disable=SC2086
 (cd "$TREE" && exec python3 -m dsctl serve --model "$MODEL" --load-format dummy "${layers[@]}" --port "$PORT" \
@@ -38,14 +40,25 @@ for c in $CONCS; do
 done
 kill -TERM $pid; wait $pid; echo "$TAG server exit $?"
 grep -E "start-up|startup|phase|weights|KV|graph" "$OUT/$TAG-serve.log" | head -12
-python3 - "$OUT/$TAG.jsonl" "$TAG" <<'PY'
-import json, sys
+MAXRUN=${MAXRUN:-256}  # the server's --max-running-requests (its default)
+python3 - "$OUT/$TAG.jsonl" "$TAG" "$MODEL" "$LAYERS" "$bw" "$MAXRUN" <<'PY'
+import json, math, sys
+sys.path.insert(0, ".")
+from benchmarks.bench_decode import serving_floor_ms
 rows = [json.loads(l) for l in open(sys.argv[1])]
+model, layers, bw, maxrun = sys.argv[3], (0 if sys.argv[4] == "full" else int(sys.argv[4])), float(sys.argv[5]), int(sys.argv[6])
 f = lambda r: r["flags"]
 print(f"\n{sys.argv[2]}: random {f(rows[0])['random_input_len']} in / {f(rows[0])['random_output_len']} out" if rows else "no rows")
-print(f"{'conc':>5} {'ok':>5} {'fail':>4} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>8}")
+print(f"copy bandwidth {bw / 1e12:.2f} TB/s; floor: bytes a decode step at the running batch (min(conc, {maxrun}), "
+      "context in + out/2) must read / that bandwidth")
+print(f"{'conc':>5} {'ok':>5} {'fail':>4} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+      f"{'TPOT p50':>8} {'floor ms':>8} {'ITL50/floor':>11}")
 for r in rows:
     s = lambda k, q: (r.get(k) or {}).get(q, float('nan'))
-    print(f"{f(r)['max_concurrency']:>5} {r['completed']:>5} {r['failed']:>4} {r['output_throughput']:9.0f} "
-          f"{s('ttft_ms','median'):9.1f} {s('ttft_ms','p99'):9.1f} {s('itl_ms','median'):8.2f} {s('itl_ms','p99'):8.2f} {s('tpot_ms','median'):8.2f}")
+    conc = f(r)['max_concurrency']
+    ctx = f(r)['random_input_len'] + f(r)['random_output_len'] // 2
+    floor = serving_floor_ms(model, layers, min(conc, maxrun), ctx, bw) if not math.isnan(bw) else float('nan')
+    print(f"{conc:>5} {r['completed']:>5} {r['failed']:>4} {r['output_throughput']:9.0f} "
+          f"{s('ttft_ms','median'):9.1f} {s('ttft_ms','p99'):9.1f} {s('itl_ms','median'):8.2f} {s('itl_ms','p99'):8.2f} "
+          f"{s('tpot_ms','median'):8.2f} {floor:8.2f} {s('itl_ms','median') / floor:11.2f}")
 PY

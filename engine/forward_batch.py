@@ -99,10 +99,10 @@ def to_device(values, device: torch.device) -> torch.Tensor:
 
 
 def tensor_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`. To a GPU through pinned memory without blocking: a copy from pageable
-    memory would first wait for all the work queued on the stream, so the host could not prepare the
-    next forward while the GPU runs this one."""
-    if device.type == "cuda":
+    """A tensor on `device`. From the host to a GPU through pinned memory without blocking: a copy from
+    pageable memory would first wait for all the work queued on the stream, so the host could not
+    prepare the next forward while the GPU runs this one."""
+    if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 

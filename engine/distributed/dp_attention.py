@@ -94,10 +94,9 @@ def agree(kind: int, tokens: int, group: TPGroup, graph_sizes: Sequence[int] = (
     of steps the groups are in (a speculative step runs several MTP forwards before its target forward),
     and the iteration ends when every rank offers DONE.
 
-    The groups replay CUDA graphs of one padded size when the forward is a target or MTP forward that
-    every contributing group can run as a graph (the model's graphs or the MTP layer's, captured at the
-    same sizes) (`graphable`: a decode batch a captured graph holds) and one
-    group has tokens: the size is the smallest of `graph_sizes` (the captured sizes, the same on every
+    The groups replay CUDA graphs of one padded size when the forward is a target or MTP forward (the
+    model's graphs or the MTP layer's, captured at the same sizes) that every contributing group can run
+    as a graph (`graphable`: a decode batch a captured graph holds) and one group has tokens: the size is the smallest of `graph_sizes` (the captured sizes, the same on every
     rank) that holds the largest group's batch, and the gather is `uniform` at that size."""
     every = comm.all_gather_ints((kind << _KIND_SHIFT) | (tokens << 1) | int(graphable), group)
     per_group = group.size // group.dp_size
