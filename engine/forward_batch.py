@@ -75,12 +75,12 @@ class ForwardBatch:
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
 
         def t(values):
-            return to_device(values, device)
+            return _int64(values).to(device)
 
         return cls(
             mode=mode,
             input_ids=t(input_ids),
-            positions=tensor_to_device(_positions(prefix_lens, extend_lens, len(input_ids)), device),
+            positions=_positions(prefix_lens, extend_lens, len(input_ids)).to(device),
             req_pool_indices=t(req_rows),
             seq_lens=t(seq_lens),
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
@@ -94,7 +94,8 @@ class ForwardBatch:
 
 
 def to_device(values, device: torch.device) -> torch.Tensor:
-    """Host ints as an int64 tensor on `device` (`tensor_to_device`)."""
+    """Host ints as an int64 tensor on `device` (`tensor_to_device`). The speculative step uses it; plain
+    batches (`build`) keep ordinary copies, whose step times docs/perf.md records."""
     return tensor_to_device(_int64(values), device)
 
 

@@ -146,7 +146,7 @@ class SpecDecoder:
         """Per request the accepted path (node indices from the root) and the bonus token, rank 0's under TP."""
         n, limit = self.nodes, self.runner.max_model_len
         argmax = logits.argmax(-1).view(len(reqs), n).tolist()
-        packed = torch.full((len(reqs), self.steps + 3), -1, dtype=torch.int64)
+        packed = [[-1] * (self.steps + 3) for _ in reqs]
         for i, req in enumerate(reqs):
             kids = children_of(tree.parents[i])
             live = [kv[i] + d <= limit - 1 for d in tree.depths[i]]
@@ -156,9 +156,8 @@ class SpecDecoder:
                 rows = logits[i * n:(i + 1) * n]
                 path, bonus = accept_sampled(lambda j, rows=rows, p=req.params: target_probs(rows[j], p),
                                              tree.tokens[i], kids, live, req.generator)
-            packed[i, 0], packed[i, 1] = len(path), bonus
-            packed[i, 2:2 + len(path)] = torch.tensor(path)
-        packed = self.runner.share_sampled(tensor_to_device(packed, self.runner.device)).tolist()
+            packed[i][:2 + len(path)] = [len(path), bonus, *path]
+        packed = self.runner.share_sampled(to_device(packed, self.runner.device).view(len(reqs), -1)).tolist()
         return [row[2:2 + row[0]] for row in packed], [row[1] for row in packed]
 
     def _commit(self, reqs, tree, paths, bonus, verify_slots: torch.Tensor, hidden: torch.Tensor,
@@ -171,12 +170,13 @@ class SpecDecoder:
         emitted, hid_rows = [], []
         for i, path in enumerate(paths):
             keep_mask[i, path] = True
-            hid_rows.append([i * n + j for j in path])
+            hid_rows += [i * n + j for j in path]
             emitted.append([tree.tokens[i][j] for j in path[1:]] + [bonus[i]])
         mem.append_slots(reqs, [vs[i, path].tolist() for i, path in enumerate(paths)])
         self.runner.kv_pool.free(vs[~keep_mask])
-        for req, rws in zip(reqs, hid_rows):
-            req.spec.hidden = hidden[to_device(rws, hidden.device)]
+        kept = hidden[to_device(hid_rows, hidden.device)].split([len(p) for p in paths])  # one gather for all
+        for req, h in zip(reqs, kept):
+            req.spec.hidden = h
         return emitted
 
     def _emit(self, reqs, emitted, paths, logits: torch.Tensor, outputs) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.forward_batch import ForwardBatch, ForwardMode, to_device
+from engine.forward_batch import ForwardBatch, ForwardMode, tensor_to_device, to_device
 
 
 @dataclass
@@ -53,15 +53,15 @@ def tree_batch(input_ids: torch.Tensor, positions: list[int], seq_lens: list[int
     """A DECODE-mode batch over scratch-table rows 0..R-1 (one query row per tree node).
 
     positions: each row's position (clamped to max_position: rows past the context limit are computed
-    but never accepted); seq_lens: its KV list length."""
-    def t(values):
-        return to_device(values, device)
-
+    but never accepted); seq_lens: its KV list length. The host columns go to the device in one copy."""
     n = len(seq_lens)
     prefix = [s - 1 for s in seq_lens]
+    rows = list(range(n))
+    cols = to_device([min(p, max_position) for p in positions] + rows + list(seq_lens) + [1] * n + prefix,
+                     device).view(5, n)
     return ForwardBatch(
-        mode=ForwardMode.DECODE, input_ids=input_ids.to(device, torch.int64),
-        positions=t([min(p, max_position) for p in positions]), req_pool_indices=t(list(range(n))),
-        seq_lens=t(seq_lens), out_cache_loc=out_cache_loc.to(device, torch.int64), extend_lens=t([1] * n),
-        prefix_lens=t(prefix), logits_indices=t(list(range(n))), seq_lens_cpu=list(seq_lens),
+        mode=ForwardMode.DECODE, input_ids=input_ids.to(device, torch.int64), positions=cols[0],
+        req_pool_indices=cols[1], seq_lens=cols[2],
+        out_cache_loc=tensor_to_device(out_cache_loc.to(torch.int64), device),
+        extend_lens=cols[3], prefix_lens=cols[4], logits_indices=cols[1], seq_lens_cpu=list(seq_lens),
         extend_lens_cpu=[1] * n, prefix_lens_cpu=prefix)
