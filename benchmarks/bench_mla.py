@@ -1,12 +1,16 @@
 """Check and time the MLA attention kernels on a CUDA GPU at DeepSeek-V3 shapes.
 
-    python benchmarks/bench_mla.py [--sweep] [--sweep-extend] [--out DIR]
+    python benchmarks/bench_mla.py [--sweep] [--sweep-extend] [--kv-loads split,fp8dot] [--out DIR]
 
 1. Measures the device-to-device copy bandwidth (bytes read + written) and the bf16
    matmul rate of this GPU: the two ceilings.
 2. --sweep / --sweep-extend: try launch configs of the decode / extend kernel on a
    few shapes and keep the fastest per class (heads x KV dtype); the tables then
-   use those (and print them). Without, the kernels' default configs are used.
+   use those (and print them, with the kv_load each winner uses). Without, the
+   kernels' default configs are used. FP8 caches try the load modes "split" and
+   "fp8dot" (kernels/mla_decode.py KV_LOADS); --kv-loads picks which, and when given
+   the tables show one FP8 row per listed mode (its own sweep winner, or without
+   --sweep the default config in that mode) to compare them side by side.
 3. MLA decode (absorbed, latent 512 + rope 64): 16 heads (TP 8) and 128 heads
    (DP attention); batch 1, 8, 32, 64, 128; context 1k, 4k, 16k; bf16 and FP8 KV.
    Each case is checked against `mla_decode_ref` first, then timed as a CUDA
@@ -152,27 +156,58 @@ def time_decode(case, heads, kv_dtype, cfg) -> float:
     return bench_graph(decode_fn(case, q, q_pe, kv_dtype, cfg, out=out))
 
 
-def decode_candidates(heads: int, kv_dtype) -> list[DecodeConfig]:
-    """(block_h, block_n, warps, stages, kv_load, fp16_math) tried by --sweep."""
+FP8_KV_LOADS = ("split", "fp8dot")  # load modes for FP8 caches (bf16 always "tile")
+
+
+def decode_candidates(heads: int, kv_dtype, kv_loads=FP8_KV_LOADS) -> list[DecodeConfig]:
+    """(block_h, block_n, warps, stages, kv_load, fp16_math) tried by --sweep; kv_loads: the
+    FP8 load modes to try (ignored for bf16)."""
     fp8 = kv_dtype == FP8
-    load = "split" if fp8 else "tile"
     if heads <= 16:
         shapes = [(16, 64, 8, 3), (16, 32, 4, 3), (16, 16, 4, 3), (16, 32, 4, 4)]
     else:
         shapes = [(64, 32, 8, 2), (32, 32, 8, 3), (16, 32, 4, 3)]
-    math_modes = (True, False) if fp8 else (False,)
-    return [DecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st, kv_load=load, fp16_math=f16)
-            for bh, bn, w, st in shapes for f16 in math_modes]
+    if not fp8:
+        return [DecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st, kv_load="tile")
+                for bh, bn, w, st in shapes]
+    out = []
+    if "split" in kv_loads:
+        out += [DecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st, kv_load="split", fp16_math=f16)
+                for bh, bn, w, st in shapes for f16 in (True, False)]
+    if "fp8dot" in kv_loads:
+        # FP8 q.k dots. On sm_90 Triton emits FP8 wgmma only for 64-row head blocks; with
+        # 16 or 32 rows it runs mma.sync on operands it upcasts to fp16 itself. So 16 heads
+        # try their usual 16-row block and a padded 64-row one. V is upcast to fp16.
+        block_hs = (16, 64) if heads <= 16 else (64,)
+        out += [DecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st, kv_load="fp8dot", fp16_math=True)
+                for bh in block_hs for bn in (32, 64) for w in (4, 8) for st in (2, 3)]
+    return out
+
+
+def untuned_config(heads: int, kv_dtype, kv_load: str | None = None) -> DecodeConfig:
+    """default_config, in load mode kv_load if given (without --sweep). fp8dot uses 64-row head
+    blocks (FP8 wgmma on sm_90, see decode_candidates)."""
+    cfg = default_config(heads, kv_dtype)
+    if kv_load is None or kv_dtype != FP8 or kv_load == cfg.kv_load:
+        return cfg
+    if kv_load == "fp8dot":  # 16 heads: 64-row blocks; block_n 32 / 3 stages fit shared memory (--sweep, H100)
+        return replace(cfg, kv_load="fp8dot", block_h=64, block_n=32, num_warps=8, num_stages=3, fp16_math=True)
+    # "split" at 128 heads: its own best (bf16 dots, 2 stages), as default_config chose before fp8dot
+    return replace(cfg, kv_load=kv_load, fp16_math=False, num_stages=2)
 
 
 SPLIT_SETTINGS = [(1.0, 64), (1.0, 256), (2.0, 64), (2.0, 256), (3.0, 64), (4.0, 64), (1.0, 128), (2.0, 128)]
 
 
-def sweep_decode(heads: int, kv_dtype, cases: dict) -> tuple[DecodeConfig, list]:
+def sweep_decode(heads: int, kv_dtype, cases: dict, kv_loads=FP8_KV_LOADS,
+                 per_load: bool = False) -> tuple[DecodeConfig, dict, list]:
+    """The fastest candidate (geometric mean over a few shapes), then its split settings.
+    Returns (winner, {kv_load: that load's best}, sweep rows); per_load: tune the split
+    settings of every load's best, not only the winner's (the dict then holds them all)."""
     rows = []
     shapes = [(32, 4096), (128, 4096), (64, 16384)] if heads <= 16 else [(32, 4096), (8, 4096)]
-    best, best_score = None, float("inf")
-    for cfg in decode_candidates(heads, kv_dtype):
+    best_by_load = {}  # kv_load -> (score, cfg)
+    for cfg in decode_candidates(heads, kv_dtype, kv_loads):
         t0 = time.time()
         try:
             times = [time_decode(cases[s], heads, kv_dtype, cfg) for s in shapes]
@@ -184,10 +219,21 @@ def sweep_decode(heads: int, kv_dtype, cases: dict) -> tuple[DecodeConfig, list]
         log(f"  sweep {heads}h {str(kv_dtype)[6:]} bh={cfg.block_h} bn={cfg.block_n} w={cfg.num_warps} "
             f"s={cfg.num_stages} {cfg.kv_load}{' fp16' if cfg.fp16_math else ''}: "
             + " ".join(f"{t * 1e3:.1f}us" for t in times) + f" ({time.time() - t0:.1f}s)")
-        if score < best_score:
-            best, best_score = cfg, score
-    if best is None:
-        return default_config(heads, kv_dtype), rows
+        if score < best_by_load.get(cfg.kv_load, (float("inf"),))[0]:
+            best_by_load[cfg.kv_load] = (score, cfg)
+    if not best_by_load:
+        cfg = default_config(heads, kv_dtype)
+        return cfg, {cfg.kv_load: cfg}, rows
+    for load, (score, cfg) in best_by_load.items():
+        log(f"  best {heads}h {str(kv_dtype)[6:]} kv_load={load}: geomean {score * 1e3:.1f}us {cfg}")
+    winner = min(best_by_load, key=lambda k: best_by_load[k][0])
+    tuned = {load: _sweep_splits(heads, kv_dtype, best_by_load[load][1], cases, rows)
+             for load in (best_by_load if per_load else [winner])}
+    return tuned[winner], tuned, rows
+
+
+def _sweep_splits(heads: int, kv_dtype, best: DecodeConfig, cases: dict, rows: list) -> DecodeConfig:
+    """The split settings (programs per SM, min split tokens) that suit `best` most."""
     shapes = [(1, 16384), (8, 4096), (32, 4096), (128, 1024), (64, 16384)] if heads <= 16 else \
         [(1, 16384), (8, 4096), (32, 4096), (128, 1024)]
     best_split, best_score = best, float("inf")
@@ -196,11 +242,11 @@ def sweep_decode(heads: int, kv_dtype, cases: dict) -> tuple[DecodeConfig, list]
         times = [time_decode(cases[s], heads, kv_dtype, cfg) for s in shapes]
         score = math.exp(sum(math.log(t) for t in times) / len(times))
         rows.append(dict(heads=heads, kv=str(kv_dtype), cfg=asdict(cfg), times_ms=times, score=score))
-        log(f"  splits {heads}h {str(kv_dtype)[6:]} programs/SM={per_sm} min_split={min_split}: "
+        log(f"  splits {heads}h {str(kv_dtype)[6:]} {cfg.kv_load} programs/SM={per_sm} min_split={min_split}: "
             + " ".join(f"{t * 1e3:.1f}us" for t in times))
         if score < best_score:
             best_split, best_score = cfg, score
-    return best_split, rows
+    return best_split
 
 
 # ---------------------------------------------------------------- extend
@@ -286,7 +332,14 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for bench_mla.json")
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--contexts", default="1024,4096,16384")
+    ap.add_argument("--kv-loads", default=None,
+                    help="FP8 KV load modes, comma-separated, of " + ",".join(FP8_KV_LOADS) + " (default: all, "
+                         "tables use the fastest); when given, the tables show one FP8 row per mode")
     args = ap.parse_args()
+    fp8_loads = FP8_KV_LOADS if args.kv_loads is None else tuple(x for x in args.kv_loads.split(",") if x)
+    if not fp8_loads or any(x not in FP8_KV_LOADS for x in fp8_loads):
+        ap.error(f"--kv-loads: one or more of {','.join(FP8_KV_LOADS)}, got {args.kv_loads!r}")
+    per_load = args.kv_loads is not None  # one FP8 table row per listed mode
     if not torch.cuda.is_available():
         log("bench_mla needs a CUDA GPU")
         return 2
@@ -301,21 +354,31 @@ def main() -> int:
 
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
+    # configs[(heads, kv_dtype)]: the configs the tables run for that class, one per row
+    # kind: bf16 its winner; FP8 its winner, or with --kv-loads the best of each listed mode.
     configs = {}
     classes = [(16, torch.bfloat16), (16, FP8), (128, torch.bfloat16), (128, FP8)]
     if args.sweep:
         needed = {(1, 16384), (8, 4096), (32, 4096), (128, 4096), (64, 16384), (128, 1024)}
         cases = {s: DecodeCase(*s, seed=1) for s in sorted(needed)}
         for heads, kv_dtype in classes:
-            cfg, rows = sweep_decode(heads, kv_dtype, cases)
-            configs[(heads, kv_dtype)] = cfg
+            fp8 = kv_dtype == FP8
+            cfg, by_load, rows = sweep_decode(heads, kv_dtype, cases, fp8_loads, per_load=per_load and fp8)
+            configs[(heads, kv_dtype)] = [by_load[x] for x in fp8_loads if x in by_load] if per_load and fp8 \
+                else [cfg]
             result["sweep"] += rows
-            log(f"best {heads}h {kv_dtype}: {cfg}")
+            log(f"best {heads}h {kv_dtype}: kv_load={cfg.kv_load} {cfg}")
+            if per_load and fp8:
+                for load, c in by_load.items():
+                    log(f"best {heads}h {kv_dtype} kv_load={load}: {c}")
         del cases
         torch.cuda.empty_cache()
     for heads, kv_dtype in classes:
-        configs.setdefault((heads, kv_dtype), default_config(heads, kv_dtype))
-        result["configs"][f"{heads}h {kv_dtype}"] = asdict(configs[(heads, kv_dtype)])
+        if (heads, kv_dtype) not in configs:
+            loads = fp8_loads if per_load and kv_dtype == FP8 else (None,)
+            configs[(heads, kv_dtype)] = [untuned_config(heads, kv_dtype, x) for x in loads]
+        for cfg in configs[(heads, kv_dtype)]:
+            result["configs"][f"{heads}h {kv_dtype} {cfg.kv_load}"] = asdict(cfg)
     log(f"[{time.time() - t_start:.0f}s] decode table")
 
     dec_rows = []
@@ -324,9 +387,9 @@ def main() -> int:
             case = DecodeCase(batch, ctx, seed=batch + ctx)
             for heads in (16, 128):
                 q, q_pe = case.queries(heads)
-                for kv_dtype in (torch.bfloat16, FP8):
-                    cfg = configs[(heads, kv_dtype)]
-                    row = dict(heads=heads, kv="fp8" if kv_dtype == FP8 else "bf16", batch=batch, ctx=ctx)
+                for kv_dtype, cfg in [(d, c) for d in (torch.bfloat16, FP8) for c in configs[(heads, d)]]:
+                    row = dict(heads=heads, kv="fp8" if kv_dtype == FP8 else "bf16", kv_load=cfg.kv_load,
+                               batch=batch, ctx=ctx)
                     try:
                         row["err"] = check_decode(case, q, q_pe, kv_dtype, cfg)
                         out = torch.empty_like(q)
@@ -352,16 +415,16 @@ def main() -> int:
     case = DecodeCase(32, 4096, seed=7)
     spec_rows = []
     for heads in (16, 128):
-        for kv_dtype in (torch.bfloat16, FP8):
+        for kv_dtype, cfg in [(d, c) for d in (torch.bfloat16, FP8) for c in configs[(heads, d)]]:
             q, q_pe = case.queries(heads, q_per_req=2)
-            cfg = configs[(heads, kv_dtype)]
-            cfg = replace(cfg, block_h=32) if heads * 2 <= 32 else cfg  # both draft rows of 16 heads in one program
+            if heads * 2 <= 32 and cfg.block_h < 32:  # both draft rows of 16 heads in one program
+                cfg = replace(cfg, block_h=32)
             err = check_decode(case, q, q_pe, kv_dtype, cfg, q_per_req=2)
             out = torch.empty_like(q)
             ms = bench_graph(decode_fn(case, q, q_pe, kv_dtype, cfg, q_per_req=2, out=out))
             nbytes = decode_bytes(32, 4096, kv_dtype)
-            spec_rows.append(dict(heads=heads, kv="fp8" if kv_dtype == FP8 else "bf16", batch=32, ctx=4096, q_per_req=2,
-                                  err=err, us=ms * 1e3, gbs=nbytes / ms / 1e6, cfg=asdict(cfg)))
+            spec_rows.append(dict(heads=heads, kv="fp8" if kv_dtype == FP8 else "bf16", kv_load=cfg.kv_load, batch=32,
+                                  ctx=4096, q_per_req=2, err=err, us=ms * 1e3, gbs=nbytes / ms / 1e6, cfg=asdict(cfg)))
             log("spec", spec_rows[-1])
     result["spec"] = spec_rows
     del case
@@ -415,39 +478,41 @@ def print_tables(result: dict) -> None:
         log(f"config {k}: {v}")
     log("")
     log("MLA decode (latent 512 + rope 64, one KV head; KV GB/s = KV bytes read / time)")
-    log("| heads | KV | batch | ctx | time us | KV GB/s | % copy BW | TFLOP/s | floor us | x floor | fp8 speedup "
-        "| rel err |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    by_key = {(r["heads"], r["kv"], r["batch"], r["ctx"]): r for r in result["decode"]}
+    log("| heads | KV | kv_load | batch | ctx | time us | KV GB/s | % copy BW | TFLOP/s | floor us | x floor "
+        "| fp8 speedup | rel err |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    bf16_rows = {(r["heads"], r["batch"], r["ctx"]): r for r in result["decode"] if r["kv"] == "bf16"}
     for r in result["decode"]:
+        load = r.get("kv_load", "")
         if "us" not in r:
-            log(f"| {r['heads']} | {r['kv']} | {r['batch']} | {r['ctx']} | failed: {r.get('error')} |")
+            log(f"| {r['heads']} | {r['kv']} | {load} | {r['batch']} | {r['ctx']} | failed: {r.get('error')} |")
             continue
         sp = ""
         if r["kv"] == "fp8":
-            b = by_key.get((r["heads"], "bf16", r["batch"], r["ctx"]))
+            b = bf16_rows.get((r["heads"], r["batch"], r["ctx"]))
             if b and "us" in b:
                 sp = f"{b['us'] / r['us']:.2f}x"
-        log(f"| {r['heads']} | {r['kv']} | {r['batch']} | {r['ctx']} | {r['us']:.1f} | {r['gbs']:.0f} | "
+        log(f"| {r['heads']} | {r['kv']} | {load} | {r['batch']} | {r['ctx']} | {r['us']:.1f} | {r['gbs']:.0f} | "
             f"{r['pct_copy']:.0f}% | {r['tflops']:.0f} | {r['floor_us']:.1f} | {r['x_floor']:.2f} | {sp} | "
             f"{r['err']:.1e} |")
     log("")
     for r in result.get("spec", []):
-        log(f"spec verify q_per_req=2 heads={r['heads']} {r['kv']} batch=32 ctx=4096: {r['us']:.1f} us, "
-            f"{r['gbs']:.0f} KV GB/s, rel err {r['err']:.1e}")
+        log(f"spec verify q_per_req=2 heads={r['heads']} {r['kv']} {r.get('kv_load', '')} batch=32 ctx=4096: "
+            f"{r['us']:.1f} us, {r['gbs']:.0f} KV GB/s, rel err {r['err']:.1e}")
     # Targets: 16 heads, ctx >= 4k, batch >= 32.
     tgt = [r for r in result["decode"] if r["heads"] == 16 and r["ctx"] >= 4096 and r["batch"] >= 32 and "us" in r]
     if tgt:
-        for kv in ("bf16", "fp8"):
-            pcts = [r["pct_copy"] for r in tgt if r["kv"] == kv]
-            if pcts:
-                log(f"target 16h ctx>=4k batch>=32 {kv}: % of copy BW min {min(pcts):.0f}% "
-                    f"mean {sum(pcts) / len(pcts):.0f}% (target >= 75%)")
-        sps = [by_key[(16, "bf16", r["batch"], r["ctx"])]["us"] / r["us"] for r in tgt
-               if r["kv"] == "fp8" and "us" in by_key.get((16, "bf16", r["batch"], r["ctx"]), {})]
-        if sps:
-            log(f"target fp8 vs bf16 speedup (same shapes): min {min(sps):.2f}x mean {sum(sps) / len(sps):.2f}x "
-                f"(target >= 1.6x)")
+        kinds = sorted({(r["kv"], r.get("kv_load", "")) for r in tgt}, key=lambda k: (k[0] != "bf16", k[1]))
+        for kv, load in kinds:
+            rows = [r for r in tgt if r["kv"] == kv and r.get("kv_load", "") == load]
+            pcts = [r["pct_copy"] for r in rows]
+            log(f"target 16h ctx>=4k batch>=32 {kv} {load}: % of copy BW min {min(pcts):.0f}% "
+                f"mean {sum(pcts) / len(pcts):.0f}% (target >= 75%)")
+            sps = [bf16_rows[(16, r["batch"], r["ctx"])]["us"] / r["us"] for r in rows
+                   if kv == "fp8" and "us" in bf16_rows.get((16, r["batch"], r["ctx"]), {})]
+            if sps:
+                log(f"target fp8 ({load}) vs bf16 speedup (same shapes): min {min(sps):.2f}x "
+                    f"mean {sum(sps) / len(sps):.2f}x (target >= 1.6x)")
     log("")
     log("Extend attention (Dqk 192 = 128 + 64, Dv 128; causal over new tokens, full over prefix)")
     log("| heads | batch | new | prefix | time us | TFLOP/s | SDPA us | SDPA TFLOP/s | speedup vs SDPA | rel err |")

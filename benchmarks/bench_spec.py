@@ -19,12 +19,24 @@ projection from two measured depths, labelled as such.
 
 Part 2: output tok/s of `generate` (bs prompts, --output-len greedy tokens) with spec on and off (the
 same engine, spec step detached; first tree) and the accepted length (meaningful with trained weights).
-One engine in one process: compare numbers of the same run only.
+One engine in one process: compare numbers of the same run only. Each timed call follows an untimed one
+of the same shapes, with the radix cache off: the prompts are random ids, and with a small vocabulary
+(tiny-py: 264) their first tokens collide with the untimed run's cached prompts, so a cache hit would
+shorten the timed prefill by a token or two. That batch of another size needs Triton specialisations the
+untimed run did not compile (e.g. the MoE align kernel's token count no longer divisible by 16): about a
+second of JIT compilation inside the timed spec-on run (the spec-off run after it reused the kernels).
+
+The breakdown printed above the tok/s table says where each timed call's time went: prefill, decode steps (the
+median, 90th percentile and slowest: a one-off cost shows as a slowest step far above the median), the
+mean batch of the decode steps (requests that finish early leave stragglers), tokens per decode step,
+forwards through a CUDA graph vs eager ones, Triton JIT compiles during the call (CUDA only) and eager
+forward shapes the untimed call did not run.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -78,6 +90,9 @@ def step_cost(eng, bs: int, input_len: int, steps: int, tree=None) -> float:
         eng.scheduler.add(eng.make_request(ids, p))
     while eng.scheduler.waiting or eng.scheduler.prefilling is not None:
         eng.scheduler.step()  # prefill (and some decode steps in between)
+    if len(eng.scheduler.running) < bs:  # the KV pool (--max-total-tokens) admitted fewer: not batch bs
+        print(f"warning: step cost at batch {bs} measured with {len(eng.scheduler.running)} requests running",
+              file=sys.stderr)
     t = _median_step(eng, steps)
     eng.scheduler.abort_all()
     eng.scheduler.flush()
@@ -85,25 +100,172 @@ def step_cost(eng, bs: int, input_len: int, steps: int, tree=None) -> float:
     return t
 
 
-def tok_s(eng, bs: int, input_len: int, output_len: int, tree) -> tuple[float, float]:
-    """(output tok/s, accepted length) of one generate call; tree None: the engine with the spec step detached."""
-    eng.scheduler = eng.make_scheduler(**(_tree_flags(tree) if tree else {}))
+class _Probe:
+    """What one generate call did, recorded by wrapping the engine's methods on the instances (nothing
+    changes in what runs): scheduler steps (kind, seconds, requests running), forwards through a CUDA graph
+    runner (batch rows) or eager (kind, mode, tokens), and Triton kernels JIT-compiled meanwhile (a new
+    specialisation: Triton keys int arguments on divisibility by 16 and on == 1, so one more or one less
+    token can need a compile)."""
+
+    def __init__(self, eng):
+        self.eng = eng
+        self.steps: list[tuple[str, float, int]] = []
+        self.graph = collections.Counter()  # (kind, rows) through a graph runner
+        self.eager = collections.Counter()  # (kind, mode, tokens) eager forwards
+        self.compiles: list[str] = []
+        self._undo = []
+
+    def _wrap(self, obj, name, make) -> None:
+        had = name in vars(obj)
+        real = getattr(obj, name)
+        setattr(obj, name, make(real))
+        self._undo.append(lambda: setattr(obj, name, real) if had else delattr(obj, name))
+
+    def __enter__(self) -> "_Probe":
+        r, sched = self.eng.runner, self.eng.scheduler
+
+        def step(real):
+            def wrapped():
+                c0 = (sched._counters["extend_steps"], sched._counters["decode_steps"])
+                running = len(sched.running)
+                t = time.perf_counter()
+                real()
+                dt = time.perf_counter() - t
+                c1 = (sched._counters["extend_steps"], sched._counters["decode_steps"])
+                kind = "extend" if c1[0] > c0[0] else "decode" if c1[1] > c0[1] else "idle"
+                self.steps.append((kind, dt, running))
+            return wrapped
+
+        def replay(kind):
+            def make(real):
+                def wrapped(fb, bs=None):
+                    self.graph[(kind, fb.batch_size)] += 1
+                    return real(fb, bs)
+                return wrapped
+            return make
+
+        def eager(kind):
+            def make(real):
+                def wrapped(fb):
+                    self.eager[(kind, fb.mode.name, fb.num_tokens)] += 1
+                    return real(fb)
+                return wrapped
+            return make
+
+        def scratch(real):
+            def wrapped(lists):
+                rows = real(lists)
+                if rows is None:  # forward_tree runs this tree batch eagerly
+                    self.eager[("tree", "DECODE", lists.shape[0])] += 1
+                return rows
+            return wrapped
+
+        self._wrap(sched, "step", step)
+        self._wrap(r, "_forward_eager", eager("target"))
+        self._wrap(r, "_forward_mtp_eager", eager("mtp"))
+        self._wrap(r.req_to_token, "write_scratch", scratch)
+        for kind, g in (("target", r.graphs), ("mtp", r.mtp_graphs)):
+            if g is not None:
+                self._wrap(g, "replay", replay(kind))
+        self._hook_triton()
+        return self
+
+    def _hook_triton(self) -> None:
+        """Count Triton's in-process cache misses (a compile, or a load from its disk cache): CUDA only (the
+        CPU interpreter compiles nothing)."""
+        if not torch.cuda.is_available():
+            return
+        try:
+            from triton import knobs
+            holder, attr = knobs.runtime, "jit_cache_hook"
+        except ImportError:  # Triton before 3.4
+            try:
+                from triton.runtime.jit import JITFunction
+            except ImportError:
+                return
+            holder, attr = JITFunction, "cache_hook"
+        prev = getattr(holder, attr, None)
+
+        def hook(*args, **kw):
+            fn = kw.get("fn")
+            self.compiles.append(getattr(fn, "name", None) or str(kw.get("repr", "?"))[:60])
+            return prev(*args, **kw) if prev is not None else False  # truthy would skip the compile
+
+        setattr(holder, attr, hook)
+        self._undo.append(lambda: setattr(holder, attr, prev))
+
+    def __exit__(self, *exc) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
+
+    def summary(self, tokens: int, seconds: float) -> dict:
+        dec = [(dt, n) for kind, dt, n in self.steps if kind == "decode"]
+        times = sorted(dt for dt, _ in dec) or [0.0]
+        return dict(seconds=seconds, tokens=tokens,
+                    prefill_s=sum(dt for kind, dt, _ in self.steps if kind == "extend"),
+                    extend_steps=sum(kind == "extend" for kind, _, _ in self.steps), decode_steps=len(dec),
+                    decode_s=sum(times), median_s=statistics.median(times),
+                    p90_s=times[min(len(times) - 1, int(0.9 * len(times)))], max_s=times[-1],
+                    mean_batch=sum(n for _, n in dec) / len(dec) if dec else 0.0,
+                    graph=sum(self.graph.values()), eager=sum(self.eager.values()),
+                    compiles=list(self.compiles) if torch.cuda.is_available() else None)
+
+
+def tok_s(eng, bs: int, input_len: int, output_len: int, tree) -> dict:
+    """One timed generate call (tree None: the engine with the spec step detached): its output tok/s
+    (`rate`), accepted length, and where its time went (`timed`, `_Probe.summary`); `new_shapes`: eager
+    forward shapes that the untimed call before it did not run (each may need kernels compiled; decode-mode
+    ones only with CUDA graphs, without which every decode forward is eager at its own size)."""
+    # radix cache off: a hit on the untimed run's prompts would change the timed prefill's shapes (docstring)
+    eng.scheduler = eng.make_scheduler(disable_radix_cache=True, **(_tree_flags(tree) if tree else {}))
     decoder = eng.scheduler.spec
     if tree is None:
         eng.scheduler.spec = None
     p = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
     ps = _prompts(bs, input_len, eng.config.vocab_size, seed=1)
-    # an untimed run of the same shapes (other prompts: no radix hits): first-use kernel compilation (Triton
-    # specialises on lengths, so a shorter warm-up leaves some of it to the timed run) is not timed
-    eng.generate(input_ids=_prompts(bs, input_len, eng.config.vocab_size, seed=2), sampling_params=p)
+    # an untimed run of the same shapes (other prompts): first-use kernel compilation (Triton specialises on
+    # lengths, so a shorter warm-up leaves some of it to the timed run) is not timed
+    with _Probe(eng) as warm:
+        eng.generate(input_ids=_prompts(bs, input_len, eng.config.vocab_size, seed=2), sampling_params=p)
     if decoder is not None:
         decoder.stats = SpecStats(decoder.steps + 1)
-    _sync()
-    t = time.perf_counter()
-    outs = eng.generate(input_ids=ps, sampling_params=p)
-    _sync()
-    rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
-    return rate, (decoder.stats.mean if tree else 1.0)
+    hits = eng.scheduler.stats()["prefix_cache_hit_tokens"]
+    with _Probe(eng) as probe:
+        _sync()
+        t = time.perf_counter()
+        outs = eng.generate(input_ids=ps, sampling_params=p)
+        _sync()
+        elapsed = time.perf_counter() - t
+    tokens = sum(len(o.token_ids) for o in outs)
+    graphs = eng.runner.graphs is not None  # without graphs every decode forward is eager: its sizes vary
+    return dict(rate=tokens / elapsed, accepted=decoder.stats.mean if tree else 1.0,
+                timed=probe.summary(tokens, elapsed),
+                hit_tokens=eng.scheduler.stats()["prefix_cache_hit_tokens"] - hits,
+                new_shapes=sorted(k for k in set(probe.eager) - set(warm.eager) if k[1] != "DECODE" or graphs))
+
+
+def _breakdown(rows: list[tuple[int, str, dict]]) -> list[str]:
+    lines = ["\nthe timed generate calls: where the time went (steps in ms; one-off work, e.g. a JIT compile, "
+             "shows as a max far above the median)",
+             f"{'batch':>5} {'spec':>4} {'total':>8} {'prefill':>8} {'steps':>5} {'batch~':>6} {'tok/step':>8} "
+             f"{'median':>7} {'p90':>7} {'max':>7} {'ms/step':>7} {'graph':>6} {'eager':>6} {'JIT':>4} {'hits':>4}"]
+    for bs, spec, r in rows:
+        t = r["timed"]
+        jit = "-" if t["compiles"] is None else str(len(t["compiles"]))
+        per_step = t["decode_s"] / t["decode_steps"] if t["decode_steps"] else 0.0
+        lines.append(f"{bs:>5} {spec:>4} {t['seconds'] * 1e3:>8.1f} {t['prefill_s'] * 1e3:>8.1f} "
+                     f"{t['decode_steps']:>5} {t['mean_batch']:>6.1f} "
+                     f"{t['tokens'] / max(t['decode_steps'], 1):>8.2f} {t['median_s'] * 1e3:>7.2f} "
+                     f"{t['p90_s'] * 1e3:>7.2f} {t['max_s'] * 1e3:>7.2f} {per_step * 1e3:>7.2f} {t['graph']:>6} "
+                     f"{t['eager']:>6} {jit:>4} {r['hit_tokens']:>4}")
+    for bs, spec, r in rows:
+        if r["timed"]["compiles"]:
+            lines.append(f"batch {bs} spec {spec}: Triton compiled {', '.join(r['timed']['compiles'])}")
+        if r["new_shapes"]:
+            lines.append(f"batch {bs} spec {spec}: eager forwards the untimed call did not run: "
+                         + ", ".join(f"{k} {m} {n}" for k, m, n in r["new_shapes"]))
+    return lines
 
 
 def _parse_tree(text: str) -> tuple[int, int, int]:
@@ -170,11 +332,12 @@ def main() -> None:
             for tree in a.trees:
                 costs.append(dict(tree=list(tree), bs=bs, decode_ms=decode * 1e3,
                                   spec_ms=step_cost(eng, bs, a.input_len, a.steps, tree) * 1e3))
-    tok = []
+    tok, runs = [], []
     for bs in a.batch_size:
-        on, accepted = tok_s(eng, bs, a.input_len, a.output_len, a.trees[0])
-        off, _ = tok_s(eng, bs, a.input_len, a.output_len, None)
-        tok.append((bs, off, on, accepted))
+        on = tok_s(eng, bs, a.input_len, a.output_len, a.trees[0])
+        off = tok_s(eng, bs, a.input_len, a.output_len, None)
+        tok.append((bs, off["rate"], on["rate"], on["accepted"]))
+        runs += [(bs, "on", on), (bs, "off", off)]
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(model=a.model, num_layers=a.num_layers, device=device, costs=costs), f)
@@ -191,6 +354,7 @@ def main() -> None:
         print("\n".join(_cost_table(_project(costs, other, a.num_layers, full),
                                     f"\nprojected to {full} layers from the {other['num_layers']}- and "
                                     f"{a.num_layers}-layer measurements (t = a + b * layers)")))
+    print("\n".join(_breakdown(runs)))  # before the tok/s table, which stays the output's last lines
     print(f"\noutput tok/s (prefill included), {a.output_len} tokens per request, tree "
           f"{'x'.join(map(str, a.trees[0]))}")
     print(f"{'batch':>5} {'spec off':>10} {'spec on':>10} {'speed-up':>9} {'accepted':>9}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import time
 from typing import Callable, Optional
 
 import torch
@@ -59,12 +60,14 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batches: dict[int, ForwardBatch] = {}  # the static batch each graph was captured with
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.capture_seconds: dict[int, float] = {}  # per size: warm-up forwards + capture (start-up profile)
         if not capture:  # padded static batches, run eagerly at replay (CPU tests of the padded paths)
             self.batches = {bs: self._batch(bs) for bs in self.sizes}
             return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         for bs in reversed(self.sizes):
+            t0 = time.perf_counter()
             fn = compiled_forward if compiled_forward is not None and bs <= compile_max_bs else forward
             fb = self.batches[bs] = self._batch(bs)
             prepare(fb, bs)
@@ -78,7 +81,10 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.outputs[bs] = fn(fb)
             self.graphs[bs] = graph
-        torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device)
+            self.capture_seconds[bs] = time.perf_counter() - t0
+        log.debug("CUDA graph capture seconds per batch size: %s",
+                  {bs: round(t, 2) for bs, t in sorted(self.capture_seconds.items())})
 
     def _batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(

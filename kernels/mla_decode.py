@@ -13,6 +13,11 @@ Cache layout: `kv_cache` is [num_slots, 1, Lkv + R] or [num_slots, Lkv + R]
 row s holds c_kv (first Lkv values, also the value vector) then k_pe (R values).
 FP8 rows are upcast in-kernel (to fp16 by default: exact for e4m3, queries are
 clamped to fp16's range) and kv_scale is applied to the scores and the output.
+With `kv_load="fp8dot"` (e4m3 caches; the default at 64+ query rows per request) the
+queries are instead quantised to e4m3 once per program (one scale per query row,
+separately for the latent and the rope part) and q.k runs as an FP8 tensor-core dot
+on the cache bytes as stored; only V is upcast. That adds the queries' e4m3 rounding
+(3 mantissa bits) to the scores: see KV_LOADS.
 `req_to_token[row, pos]` is the slot of token `pos` of the request in `row`.
 
 Several query tokens per request (speculative verification, `q_per_req=Q`): the
@@ -41,15 +46,32 @@ _LOG2E = 1.4426950408889634
 
 
 # How stage 1 reads the KV tiles (DecodeConfig.kv_load):
-#   "tile":  one [BLOCK_N, Lkv+R] tile feeds both dots (K^T through tl.trans); the
-#            slot indices are loaded one tile ahead so that Triton multi-buffers the
-#            tile with cp.async. For 16-bit caches.
-#   "split": K^T and V loaded separately (the second read of a row hits L2), each
-#            upcast right before its dot: Triton pipelines a load -> convert -> dot
-#            chain, not one load feeding two dots through a conversion. FP8 caches.
+#   "tile":   one [BLOCK_N, Lkv+R] tile feeds both dots (K^T through tl.trans); the
+#             slot indices are loaded one tile ahead so that Triton multi-buffers the
+#             tile with cp.async. For 16-bit caches.
+#   "split":  K^T and V loaded separately (the second read of a row hits L2), each
+#             upcast right before its dot: Triton pipelines a load -> convert -> dot
+#             chain, not one load feeding two dots through a conversion. FP8 caches.
+#   "fp8dot": as "split", but K^T is not upcast: the queries are quantised to e4m3
+#             at program start (per query row, scale = amax / 448, separately for the
+#             Lkv latent and the R rope values) and q.k is an FP8 x FP8 tensor-core dot
+#             (fp32 accumulate) on the K^T tile as loaded; the two per-row scales are
+#             applied to the two dots' fp32 results. V is upcast as in "split". The K^T
+#             tile is K-major (each cached row is contiguous), the operand order that
+#             FP8 wgmma needs. float8_e4m3fn caches only: mla_decode silently runs e5m2
+#             caches with "split" and 16/32-bit caches with "tile". The default for e4m3
+#             caches at 64+ query rows (128 heads): on H100 1.41x the bf16 cache's speed,
+#             1.95x "split" (docs/perf.md). On sm_90 Triton emits FP8 wgmma only for head
+#             blocks of a multiple of 64 rows (and K >= 32); a smaller block (block_h 16
+#             or 32) runs mma.sync, for which Triton itself upcasts both FP8 operands to
+#             fp16 in the kernel, so expect no gain there.
+#             Error: the queries' e4m3 rounding. On random test data (CPU interpreter,
+#             reference on the same FP8 cache) 1.6-3.0% relative on the output at softmax
+#             scale 0.06 (8% at a sharp 0.3), against 0.3-0.5% for "split"; 0.5-0.8x of
+#             what the cache's own e4m3 quantisation costs (tests/kernels/test_mla_decode.py).
 # (Measured on H100 and dropped, see docs/perf.md: FP8 read as 32-bit words and
 # upcast with inline PTX, alone or for V only; both were slower than "split".)
-KV_LOADS = {"tile": 0, "split": 1}
+KV_LOADS = {"tile": 0, "split": 1, "fp8dot": 2}
 
 
 @dataclass(frozen=True)
@@ -86,6 +108,41 @@ def dot_operand(x, COMPUTE_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     if INTERPRET:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def fp8_operand(x, INTERPRET: tl.constexpr):
+    """An FP8 dot operand as loaded; in the interpreter its values as float32 (same products,
+    fp32 math), since the interpreter's own FP8 dots are not to be relied on."""
+    if INTERPRET:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _round_e4m3(x, INTERPRET: tl.constexpr):
+    """x (float32, |x| <= 448) rounded to float8_e4m3fn, to nearest even. On the GPU the FP8
+    tensor (cvt.rn.satfinite); in the interpreter the rounded values as float32, computed
+    exactly here: its fp32 -> fp8 cast mis-rounds when the mantissa carries into the exponent."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if INTERPRET:
+        expo = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased float32 exponent
+        expo = tl.maximum(expo, 127 - 6)  # subnormals (< 2^-6) keep the spacing 2^-9
+        ulp = ((expo - 3) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3): 3 mantissa bits
+        r = x / ulp  # exact (power of two), |r| < 16
+        r = (r + 12582912.0) - 12582912.0  # 1.5 * 2^23: float32 adds round to an integer, ties to even
+        return r * ulp
+    else:
+        return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_rows_e4m3(x, INTERPRET: tl.constexpr):
+    """Per-row e4m3 quantisation of a query tile: (x / scale rounded to e4m3, scale [rows],
+    float32) with scale = max(row amax, tiny) / 448, so x ~= q8 * scale[:, None]."""
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1), 1.0e-30) / 448.0
+    return _round_e4m3(x / scale[:, None], INTERPRET), scale
 
 
 @triton.jit
@@ -133,16 +190,24 @@ def _mla_decode_stage1(
                     mask=m_valid[:, None] & d_mask[None, :], other=0.0)
         qpe = tl.load(QRope + qrow[:, None] * stride_qr_b + head[:, None] * stride_qr_h + offs_r[None, :],
                       mask=m_valid[:, None] & r_mask[None, :], other=0.0)
-        if COMPUTE_DTYPE == tl.float16:  # keep out-of-range queries finite (fp16 max 65504)
-            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
-            qpe = tl.minimum(tl.maximum(qpe.to(tl.float32), -65504.0), 65504.0)
-        q = dot_operand(q, COMPUTE_DTYPE, INTERPRET)
-        qpe = dot_operand(qpe, COMPUTE_DTYPE, INTERPRET)
+        score_scale = qk_scale_log2 * kv_scale
+        if KV_LOAD == 2:
+            # e4m3 queries for the FP8 q.k dots; each row's two scales (latent, rope) are
+            # folded with the score scale and applied to the dots' fp32 results.
+            q, s_nope = _quantize_rows_e4m3(q, INTERPRET)
+            qpe, s_rope = _quantize_rows_e4m3(qpe, INTERPRET)
+            s_nope = s_nope * score_scale
+            s_rope = s_rope * score_scale
+        else:
+            if COMPUTE_DTYPE == tl.float16:  # keep out-of-range queries finite (fp16 max 65504)
+                q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
+                qpe = tl.minimum(tl.maximum(qpe.to(tl.float32), -65504.0), 65504.0)
+            q = dot_operand(q, COMPUTE_DTYPE, INTERPRET)
+            qpe = dot_operand(qpe, COMPUTE_DTYPE, INTERPRET)
 
         m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # finite: fully masked rows give p = 0, not NaN
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_LKV], dtype=tl.float32)
-        score_scale = qk_scale_log2 * kv_scale
 
         # The next tile's slot indices are loaded one iteration ahead: with the KV
         # address no longer depending on a load of the same iteration, Triton
@@ -163,15 +228,26 @@ def _mla_decode_stage1(
                 kv = dot_operand(kv, COMPUTE_DTYPE, INTERPRET)
                 qk = tl.dot(q, tl.trans(kv))
                 qk += tl.dot(qpe, tl.trans(dot_operand(kpe, COMPUTE_DTYPE, INTERPRET)))
-            else:
+                qk = qk * score_scale
+            elif KV_LOAD == 1:
                 col_ptr = KV + loc[None, :] * stride_kv
                 kt = tl.load(col_ptr + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
                 kpet = tl.load(col_ptr + LKV + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None], other=0.0)
                 qk = tl.dot(q, dot_operand(kt, COMPUTE_DTYPE, INTERPRET))
                 qk += tl.dot(qpe, dot_operand(kpet, COMPUTE_DTYPE, INTERPRET))
+                qk = qk * score_scale
                 kv = tl.load(row_ptr + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
                 kv = dot_operand(kv, COMPUTE_DTYPE, INTERPRET)
-            qk = qk * score_scale
+            else:
+                # K^T tiles [LKV | R, BLOCK_N] straight from the cache (K-major: a row's values
+                # are contiguous) into FP8 x FP8 dots, no conversion; V upcast as in "split".
+                col_ptr = KV + loc[None, :] * stride_kv
+                kt = tl.load(col_ptr + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+                kpet = tl.load(col_ptr + LKV + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None], other=0.0)
+                qk = tl.dot(q, fp8_operand(kt, INTERPRET)) * s_nope[:, None]
+                qk += tl.dot(qpe, fp8_operand(kpet, INTERPRET)) * s_rope[:, None]
+                kv = tl.load(row_ptr + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                kv = dot_operand(kv, COMPUTE_DTYPE, INTERPRET)
             visible = n_mask[None, :] & (offs_n[None, :] < limit[:, None])
             qk = tl.where(visible, qk, float("-inf"))
 
@@ -252,7 +328,12 @@ def default_config(num_q_rows_per_req: int, kv_dtype: torch.dtype) -> DecodeConf
     if rows <= 32:  # 16 heads (TP 8), also with 2 draft tokens: one program per request's rows
         return DecodeConfig(block_h=16 if rows <= 16 else 32, block_n=64, num_warps=8, num_stages=3,
                             kv_load="split" if fp8 else "tile", fp16_math=fp8, min_split_tokens=256)
-    # 128 heads (DP attention): 64-row head groups (wgmma), compute-bound.
+    # 128 heads (DP attention): 64-row head groups (wgmma), compute-bound. An e4m3 cache runs q.k as FP8
+    # dots ("fp8dot": 1.41x the bf16 cache's speed and 1.95x "split" at batch 32 / 4k on H100, docs/perf.md);
+    # e5m2 has no e4m3 dot partner and keeps "split" with bf16 dots.
+    if kv_dtype == torch.float8_e4m3fn:
+        return DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, kv_load="fp8dot", fp16_math=True,
+                            min_split_tokens=128)
     return DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, kv_load="split" if fp8 else "tile",
                         min_split_tokens=128)
 
@@ -265,6 +346,26 @@ def _default_splits(num_reqs: int, head_groups: int, max_ctx: int, cfg: DecodeCo
     want = math.floor(cfg.programs_per_sm * sms / max(1, num_reqs * head_groups))
     cap = max(1, math.ceil(max_ctx / cfg.min_split_tokens))
     return int(max(1, min(want, cap, 64)))
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_dots(device_index: int) -> bool:
+    """Whether this GPU multiplies e4m3 operands natively (compute capability 8.9+; Triton rejects
+    float8e4nv on older GPUs)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def _kv_load(requested: str, kv_dtype: torch.dtype, device: torch.device) -> str:
+    """The KV load mode that runs: 8-bit caches "split", or "fp8dot" where requested, the cache is
+    float8_e4m3fn (e5m2 has no e4m3 dot partner here: "split") and the GPU has FP8 dots (or this is
+    the CPU interpreter); 16/32-bit caches the requested mode, "fp8dot" there meaning "tile"."""
+    if requested not in KV_LOADS:
+        raise ValueError(f"kv_load must be one of {sorted(KV_LOADS)}, got {requested!r}")
+    if kv_dtype.itemsize == 1:  # 8-bit tiles need one dot per load
+        fp8_dots = device.type != "cuda" or _fp8_dots(device.index if device.index is not None
+                                                      else torch.cuda.current_device())
+        return "fp8dot" if requested == "fp8dot" and kv_dtype == torch.float8_e4m3fn and fp8_dots else "split"
+    return "tile" if requested == "fp8dot" else requested
 
 
 def mla_decode(q_nope_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
@@ -280,7 +381,9 @@ def mla_decode(q_nope_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torc
     num_kv_splits caps the splits per request (None: chosen from batch size and SM
     count; with it given, splits are as small as one tile). kv_scale: python float
     or a 1-element tensor on the device (read in-kernel, no host sync). out: optional
-    preallocated [B*Q, H, Lkv] output (written in full).
+    preallocated [B*Q, H, Lkv] output (written in full). config.kv_load="fp8dot" (opt-in):
+    on a float8_e4m3fn cache, q.k as FP8 dots on per-row e4m3-quantised queries; a
+    float8_e5m2 cache silently runs "split" instead, a 16/32-bit cache "tile" (KV_LOADS).
     """
     rows, num_heads, lkv = q_nope_latent.shape
     rope = q_rope.shape[-1]
@@ -316,10 +419,12 @@ def mla_decode(q_nope_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torc
         mo_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
         ml_strides = (mid_lse.stride(0), mid_lse.stride(1))
 
-    kv_load = "split" if kv.element_size() < 2 else cfg.kv_load  # 8-bit tiles need one dot per load
+    kv_load = _kv_load(cfg.kv_load, kv.dtype, kv.device)
     scale_ptr = isinstance(kv_scale, torch.Tensor)
     block_lkv = triton.next_power_of_2(lkv)
     block_r = max(16, triton.next_power_of_2(rope))
+    if kv_load == "fp8dot":  # Triton's smallest K of a dot on 8-bit operands is 32
+        block_lkv, block_r = max(32, block_lkv), max(32, block_r)
     _mla_decode_stage1[(num_reqs, head_groups, max_splits)](
         q_nope_latent, q_rope, kv, kv_scale if scale_ptr else kv, 1.0 if scale_ptr else float(kv_scale),
         req_to_token, req_pool_indices, seq_lens,

@@ -53,7 +53,16 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPGrou
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, cast back to the input dtype before the weight (as HF does)."""
+    """RMSNorm computed in float32, cast back to the input dtype before the weight (as HF does).
+
+    On CUDA one Triton kernel (kernels/rms_norm.py) instead of ~7 torch kernels; under
+    torch.compile (inductor fuses the torch form itself) and on CPU, the torch reference.
+    """
+    if x.is_cuda and not torch.compiler.is_compiling():
+        from kernels import rms_norm as k  # lazy: imports triton
+
+        if k.supported(x, weight):
+            return k.rms_norm_triton(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

@@ -7,6 +7,8 @@ multiples of the tile sizes, outputs are poisoned with NaN before each call.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -199,3 +201,107 @@ def test_rejects_mismatched_rows():
     with pytest.raises(ValueError):
         mla_decode(c["q"].bfloat16(), c["q_pe"].bfloat16(), c["cache"].bfloat16(), c["table"], c["rows"],
                    c["seq_lens"], 0.1, q_per_req=2)
+
+
+# ------------------------------------------------------------------ kv_load="fp8dot"
+# q.k as FP8 dots: the kernel quantises each query row to e4m3 (scale = amax / 448, the
+# latent and rope parts separately). Two references: `mla_decode_ref` on the same FP8
+# cache (what the caller gets, error = the queries' e4m3 rounding) and the same reference
+# fed those quantised queries (the kernel's exact math, error = bf16/fp16 rounding only).
+
+
+def _quant_rows(x: torch.Tensor) -> torch.Tensor:
+    """Per-row e4m3 quantisation as the kernel does it, returned dequantised (float32)."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 448.0
+    return (x / scale).clamp(-448, 448).to(FP8).float() * scale
+
+
+def _fp8_cache(c, mult=3.0, fp8=FP8):
+    master = c["cache"] * mult
+    scale = master.abs().max().item() / torch.finfo(fp8).max
+    return master, (master / scale).to(fp8), scale
+
+
+def _fp8dot_errors(c, kv8, scale, sm_scale, q_dtype=torch.bfloat16, q_per_req=1, **kw):
+    """(fp8dot output, its error vs mla_decode_ref, vs the quantised-query reference, "split" error)."""
+    kv_scale = kw.pop("kv_scale", scale)
+    cfg = kw.pop("config", DecodeConfig(block_n=16))
+    got = _run(c, kv8, sm_scale, q_dtype=q_dtype, q_per_req=q_per_req, kv_scale=kv_scale,
+               config=replace(cfg, kv_load="fp8dot"), **kw)
+    split = _run(c, kv8, sm_scale, q_dtype=q_dtype, q_per_req=q_per_req, kv_scale=kv_scale,
+                 config=replace(cfg, kv_load="split"), **kw)
+    ref = _ref(c, kv8, sm_scale, q_dtype=q_dtype, q_per_req=q_per_req, kv_scale=scale)
+    quantised = dict(c, q=_quant_rows(c["q"].to(q_dtype)), q_pe=_quant_rows(c["q_pe"].to(q_dtype)))
+    ref_q8 = _ref(quantised, kv8, sm_scale, q_dtype=torch.float32, q_per_req=q_per_req, kv_scale=scale)
+    return got, _rel(got, ref), _rel(got, ref_q8), _rel(split, ref)
+
+
+@pytest.mark.parametrize("lkv,rope,splits,block_h,block_n,fp16_math", [
+    (64, 16, 3, 16, 16, True),
+    (128, 64, None, 64, 32, True),  # 64-row head block (FP8 wgmma on sm_90), 48 rows padding
+    (64, 32, 1, 16, 16, False),  # one split: stage 1 writes the output directly; bf16 p.V
+])
+def test_fp8dot_matches_reference(lkv, rope, splits, block_h, block_n, fp16_math):
+    # Lengths 1..130: several tiles, splits crossed, a one-token request.
+    c = _case([51, 9, 130, 77, 1], 16, lkv, rope, seed=31 + lkv + rope)
+    master, kv8, scale = _fp8_cache(c)
+    cfg = DecodeConfig(block_h=block_h, block_n=block_n, fp16_math=fp16_math)
+    got, err, err_q8, err_split = _fp8dot_errors(c, kv8, scale, 0.06, num_kv_splits=splits, config=cfg)
+    print(f"fp8dot lkv={lkv} rope={rope}: rel err {err:.2e} (quantised-query ref {err_q8:.2e}), split {err_split:.2e}")
+    # The kernel computes exactly "queries rounded to e4m3, then attention": against that
+    # reference only the bf16/fp16 roundings remain (measured 2.7e-3 .. 4.1e-3, as "split").
+    assert err_q8 < 1.5e-2
+    # Against the reference with unquantised queries: the queries' e4m3 rounding (measured
+    # 1.6e-2 .. 3.0e-2 over 6 seeds of these cases, 1.8e-2 .. 2.7e-2 on an H100, where "split"
+    # is within 3.5e-4 .. 1.1e-3 of the same reference).
+    assert err < 6e-2
+    # ... and less than the cache's own e4m3 quantisation costs (measured 0.5x .. 0.8x of it).
+    assert err < 1.25 * _rel(_ref(c, kv8, 0.06, kv_scale=scale), _ref(c, master.double(), 0.06))
+    # The checks can fail: attention over the wrong cache rows is far outside the tolerance.
+    wrong = dict(c, table=c["table"][:, torch.randperm(c["table"].shape[1], generator=torch.Generator().manual_seed(1))])
+    wrong_out = _run(wrong, kv8, 0.06, num_kv_splits=splits, kv_scale=scale, config=replace(cfg, kv_load="fp8dot"))
+    wrong_err = _rel(wrong_out, _ref(c, kv8, 0.06, kv_scale=scale))
+    print(f"  wrong cache rows: rel err {wrong_err:.2e}")
+    assert wrong_err > 0.3
+
+
+def test_fp8dot_speculative_rows_and_scale_tensor():
+    # Two draft rows per request (block_h 32: both in one program), kv_scale as a device
+    # tensor, a request shorter than the draft count (its first row sees nothing: zeros).
+    c = _case([40, 19, 66, 1], 16, 64, 32, q_per_req=2, seed=41)
+    _, kv8, scale = _fp8_cache(c)
+    got, err, err_q8, err_split = _fp8dot_errors(
+        c, kv8, scale, 0.06, q_per_req=2, num_kv_splits=3, kv_scale=torch.tensor(scale, device=DEVICE),
+        config=DecodeConfig(block_h=32, block_n=16))
+    print(f"fp8dot q_per_req=2: rel err {err:.2e} (quantised-query ref {err_q8:.2e}), split {err_split:.2e}")
+    assert err_q8 < 1.5e-2
+    assert err < 6e-2
+    assert torch.all(got[6] == 0)
+    assert _rel(got[1], got[0]) > 1e-2  # the causal limit matters
+
+
+def test_fp8dot_extreme_query_rows():
+    # Queries are quantised with a per-row scale: an all-zero row (attends uniformly) and
+    # a row with one huge value (fp32 queries, far beyond fp16/e4m3 range) stay finite and right.
+    c = _case([30, 57], 16, 64, 16, seed=43)
+    c["q"][0, 1] = 0
+    c["q_pe"][0, 1] = 0
+    c["q"][1, 2, 5] = 1e6
+    _, kv8, scale = _fp8_cache(c)
+    got, err, err_q8, _ = _fp8dot_errors(c, kv8, scale, 0.06, q_dtype=torch.float32, num_kv_splits=2)
+    assert torch.isfinite(got).all()
+    assert err_q8 < 1.5e-2
+    assert err < 6e-2
+
+
+def test_fp8dot_falls_back_where_it_cannot_run():
+    # e5m2 caches run "split", 16-bit caches "tile": the same results bit for bit.
+    c = _case([37, 90], 16, 64, 16, seed=47)
+    _, kv5, scale = _fp8_cache(c, fp8=torch.float8_e5m2)
+    for kv, mode, kw in ((kv5, "split", dict(kv_scale=scale)), (c["cache"].bfloat16(), "tile", {})):
+        got = _run(c, kv, 0.06, num_kv_splits=2, config=DecodeConfig(block_n=16, kv_load="fp8dot"), **kw)
+        same = _run(c, kv, 0.06, num_kv_splits=2, config=DecodeConfig(block_n=16, kv_load=mode), **kw)
+        assert torch.equal(got, same), mode
+    with pytest.raises(ValueError):
+        _run(c, c["cache"].bfloat16(), 0.06, config=DecodeConfig(kv_load="fp8"))
