@@ -16,7 +16,7 @@
 #
 # Knobs (env): MOE_S / FP8_S (seconds per MoE shape / per GEMM shape; defaults 150 / 40), BATCH_SIZES
 # (default 1,2,4,8,16,32,64,128,256,512,1024,2048,4096: the engine takes the nearest tuned M),
-# FP8_SHAPES, MAX_CONFIGS (cap per search stage), WORKERS, PYTHON.
+# FP8_SHAPES, FP8_TP (default 1), MAX_CONFIGS (cap per search stage), WORKERS, PYTHON.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/tune-out}
@@ -27,6 +27,7 @@ FP8_S=${FP8_S:-40}
 GRACE=${GRACE_S:-30}
 BATCH_SIZES=${BATCH_SIZES:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096}
 FP8_SHAPES=${FP8_SHAPES:-24576x1536,32768x512,7168x16384,36864x7168,7168x18432,4096x7168}
+FP8_TP=${FP8_TP:-1}  # the TP the GEMM shapes belong to (FP8_TP=8 FP8_SHAPES=4096x512: kv_b_proj at TP 8)
 WORKERS=${WORKERS:-0}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" COLUMNS=${COLUMNS:-160} PYTHONUNBUFFERED=1
 mkdir -p "$OUT/configs" "$OUT/results" "$OUT/logs"
@@ -60,7 +61,7 @@ for job in $JOBS; do
     ;;
   fp8)
     for shape in ${FP8_SHAPES//,/ }; do
-      run_job "fp8-$shape" "$FP8_S" tune-fp8 --model deepseek-v3 --tp 1 --shapes "$shape"
+      run_job "fp8-$shape" "$FP8_S" tune-fp8 --model deepseek-v3 --tp "$FP8_TP" --shapes "$shape"
     done
     ;;
   esac

@@ -190,7 +190,10 @@ class KernelArgs:
         choices=("auto", "triton", "torch"),
     )
     disable_cuda_graph: bool = flag(False, "Run decode eagerly instead of replaying CUDA graphs.")
-    cuda_graph_max_bs: int = flag(160, "Largest decode batch captured in a CUDA graph.")
+    cuda_graph_max_bs: Optional[int] = flag(
+        None, "Largest decode batch captured in a CUDA graph (default: --max-running-requests, so that every "
+        "decode batch replays a graph; a larger batch would run eagerly, several times slower).",
+    )
     cuda_graph_bs: Optional[str] = flag(
         None, "Comma-separated decode batch sizes to capture (default: 1,2,4,8 then steps of 8 up to "
         "--cuda-graph-max-bs). Batches are padded to the nearest captured size.",
@@ -224,7 +227,7 @@ class KernelArgs:
         if self.disable_mla and self.attention == "flashinfer":
             raise UsageError("--disable-mla keeps expanded per-head K/V, which FlashInfer's MLA wrapper cannot "
                              "read: use --attention-backend triton or torch with it")
-        if self.cuda_graph_max_bs < 1 or self.torch_compile_max_bs < 1:
+        if (self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1) or self.torch_compile_max_bs < 1:
             raise UsageError("--cuda-graph-max-bs and --torch-compile-max-bs must be >= 1")
         if self.cuda_graph_bs is not None:
             sizes = self.cuda_graph_batch_sizes()
@@ -234,16 +237,18 @@ class KernelArgs:
             raise UsageError("--enable-torch-compile compiles the CUDA-graph decode path; "
                              "it cannot be combined with --disable-cuda-graph")
 
-    def cuda_graph_batch_sizes(self) -> list[int]:
-        """The decode batch sizes to capture, ascending."""
+    def cuda_graph_batch_sizes(self, default_max_bs: int = 256) -> list[int]:
+        """The decode batch sizes to capture, ascending; default_max_bs stands for an unset
+        --cuda-graph-max-bs (the engine passes --max-running-requests)."""
         if self.cuda_graph_bs:
             try:
                 return sorted({int(x) for x in self.cuda_graph_bs.replace(" ", "").split(",") if x})
             except ValueError:
                 raise UsageError(f"--cuda-graph-bs must be comma-separated integers "
                                  f"(got {self.cuda_graph_bs!r})") from None
-        sizes = [b for b in (1, 2, 4) if b < self.cuda_graph_max_bs] + list(range(8, self.cuda_graph_max_bs + 1, 8))
-        return sorted(set(sizes + [self.cuda_graph_max_bs]))
+        max_bs = self.cuda_graph_max_bs or default_max_bs
+        sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, max_bs + 1, 8))
+        return sorted(set(sizes + [max_bs]))
 
 
 @dataclass

@@ -139,7 +139,7 @@ class ModelRunner:
         if self.device.type != "cuda" or self.args.kernels.disable_cuda_graph:
             return []
         limit = self.max_running_requests * self._rows_per_request()
-        sizes = [b for b in self.args.kernels.cuda_graph_batch_sizes() if b <= limit]
+        sizes = [b for b in self.args.kernels.cuda_graph_batch_sizes(self.max_running_requests) if b <= limit]
         return sizes or [1]
 
     def _rows_per_request(self) -> int:

@@ -1,0 +1,38 @@
+"""The shipped tuned configs cover the one-GPU and TP-8 shapes on an H100 (issue 16, target 7).
+
+A serving run reads one fused-MoE file per model shape and one block-FP8 GEMM file per linear
+shape (kernels/tuned_configs.py); a missing file falls back to untuned defaults with a warning.
+These checks need no GPU: they derive the shapes the engine asks for (tuning/shapes.py, the same
+code `dsctl tune-*` uses) and look for the files in kernels/configs/.
+"""
+
+import pytest
+
+from kernels.tuned_configs import config_dirs, load_configs
+from tuning.shapes import gemm_shapes, load_model_config, moe_shape
+
+H100 = "NVIDIA_H100_80GB_HBM3"
+SHIPPED = config_dirs(None)[-1]
+
+# (model, --tp, --ep-size): one GPU (TP 1; a DP-attention rank with EP 8 runs E=32 local experts), and TP 8.
+DEPLOYMENTS = [("deepseek-v3", 1, 1), ("deepseek-v3", 8, 1), ("deepseek-v3", 8, 8), ("deepseek-r1", 1, 1),
+               ("deepseek-v2-lite", 1, 1)]
+
+
+def _check(path):
+    assert path.is_file(), f"missing {path.name}"
+    configs = load_configs(path)
+    assert min(configs) == 1 and max(configs) >= 2048, f"{path.name}: tuned M {sorted(configs)}"
+    for cfg in configs.values():
+        assert {"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps", "num_stages"} <= set(cfg)
+
+
+@pytest.mark.parametrize("model,tp,ep", DEPLOYMENTS)
+def test_fused_moe_config_shipped(model, tp, ep):
+    _check(SHIPPED / moe_shape(load_model_config(model), tp=tp, ep=ep).filename(H100))
+
+
+@pytest.mark.parametrize("model,tp", [("deepseek-v3", 1), ("deepseek-v3", 8)])
+def test_every_block_fp8_gemm_config_shipped(model, tp):
+    for shape in gemm_shapes(load_model_config(model), tp=tp):
+        _check(SHIPPED / shape.filename(H100))
