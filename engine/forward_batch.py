@@ -55,6 +55,9 @@ class ForwardBatch:
     prefix_lens_cpu: list[int]
     # The MTP layer's input hidden states (DRAFT_EXTEND), one row per token.
     spec_hidden: Optional[torch.Tensor] = None
+    # Host copy of req_pool_indices where the batch was built from host lists (extend planning reads it
+    # instead of copying the device tensor back, which would wait for the forward in flight).
+    req_rows_cpu: Optional[list[int]] = None
 
     @property
     def batch_size(self) -> int:
@@ -73,29 +76,28 @@ class ForwardBatch:
         Costs O(batch) Python work plus C-speed copies of the token lists: a prefill of many long prompts
         packs tens of thousands of tokens per step."""
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
-
-        def t(values):
-            return _int64(values).to(device)
-
+        # Every host integer column in one tensor and one non-blocking copy (tensor_to_device): with
+        # overlap scheduling this runs while the previous forward is still on the GPU.
+        columns = [_int64(input_ids), _positions(prefix_lens, extend_lens, len(input_ids)), _int64(req_rows),
+                   _int64(seq_lens), _int64(extend_lens), _int64(prefix_lens), _int64(logits_indices)]
+        on_host = out_cache_loc.device.type == "cpu"
+        if on_host:
+            columns.append(out_cache_loc.to(torch.int64))
+        packed = tensor_to_device(torch.cat(columns), device).split([c.numel() for c in columns])
+        ids, pos, rows, lens, ext, pre, logit_rows = packed[:7]
+        loc = packed[7] if on_host else out_cache_loc.to(device=device, dtype=torch.int64)
         return cls(
-            mode=mode,
-            input_ids=t(input_ids),
-            positions=_positions(prefix_lens, extend_lens, len(input_ids)).to(device),
-            req_pool_indices=t(req_rows),
-            seq_lens=t(seq_lens),
-            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
-            extend_lens=t(extend_lens),
-            prefix_lens=t(prefix_lens),
-            logits_indices=t(logits_indices),
+            mode=mode, input_ids=ids, positions=pos, req_pool_indices=rows, seq_lens=lens, out_cache_loc=loc,
+            extend_lens=ext, prefix_lens=pre, logits_indices=logit_rows,
             seq_lens_cpu=seq_lens,
             extend_lens_cpu=list(extend_lens),
             prefix_lens_cpu=list(prefix_lens),
+            req_rows_cpu=list(req_rows),
         )
 
 
 def to_device(values, device: torch.device) -> torch.Tensor:
-    """Host ints as an int64 tensor on `device` (`tensor_to_device`). The speculative step uses it; plain
-    batches (`build`) keep ordinary copies, whose step times docs/perf.md records."""
+    """Host ints as an int64 tensor on `device` (`tensor_to_device`)."""
     return tensor_to_device(_int64(values), device)
 
 

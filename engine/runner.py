@@ -338,8 +338,8 @@ class ModelRunner:
 
         rows = self.req_to_token.write_scratch(table.table)
         if rows is not None:
-            return self.forward_mtp(replace(fb, req_pool_indices=rows)) if mtp else self.forward(
-                replace(fb, req_pool_indices=rows))
+            fb = replace(fb, req_pool_indices=rows, req_rows_cpu=None)  # the host copy would be stale
+            return self.forward_mtp(fb) if mtp else self.forward(fb)
         self._agree_dp(MTP if mtp else TARGET, fb.num_tokens)
         ctx = replace(self.forward_ctx, req_to_token=table)
         ctx.begin_forward(fb)

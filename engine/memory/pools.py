@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from engine.config import ModelConfig
+from engine.forward_batch import tensor_to_device
 
 
 def kv_row_dim(cfg: ModelConfig, local_heads: int, expanded: bool = False) -> int:
@@ -121,7 +122,7 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
     def set(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.table[row, start:start + slots.numel()] = slots.to(self.table.device, torch.int32)
+        self.table[row, start:start + slots.numel()] = tensor_to_device(slots.to(torch.int32), self.table.device)
 
     def slots(self, row: int, end: int, start: int = 0) -> torch.Tensor:
         return self.table[row, start:end].to(torch.int64)

@@ -26,7 +26,7 @@ from typing import Optional, Union
 
 import torch
 
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, to_device
 from engine.model.attention import MLA
 from engine.model.context import ForwardContext
 
@@ -82,7 +82,7 @@ def plan_extend(fb: ForwardBatch, table: torch.Tensor, prefix_token_budget: int)
     runs: list[ExtendRun] = []
     t, r = 0, 0
     n_reqs = len(fb.extend_lens_cpu)
-    rows = fb.req_pool_indices.tolist()
+    rows = fb.req_rows_cpu if fb.req_rows_cpu is not None else fb.req_pool_indices.tolist()
     while r < n_reqs:
         absorbed = _absorbs(fb, r)
         r1, t1, prefix = r, t, 0
@@ -106,9 +106,8 @@ def _absorbed_run(fb: ForwardBatch, rows: list[int], r0: int, r1: int, t0: int, 
         n, p = fb.extend_lens_cpu[i], fb.prefix_lens_cpu[i]
         req += [rows[i]] * n
         lens += range(p + 1, p + n + 1)
-    dev = fb.req_pool_indices.device
-    return AbsorbedRun(t0, t1, torch.tensor(req, dtype=fb.req_pool_indices.dtype, device=dev),
-                       torch.tensor(lens, dtype=fb.seq_lens.dtype, device=dev))
+    dev = fb.req_pool_indices.device  # non-blocking copies (see forward_batch.tensor_to_device)
+    return AbsorbedRun(t0, t1, to_device(req, dev), to_device(lens, dev))
 
 
 def _expanded_run(fb: ForwardBatch, rows: list[int], table: torch.Tensor, r0: int, r1: int,

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from engine.forward_batch import to_device
 from engine.memory.pools import KVPool, ReqToTokenPool
 from engine.memory.radix_cache import RadixCache
 from engine.scheduler.request import Request
@@ -91,10 +92,8 @@ class RequestMemory:
         rows = [r.row for r, s in zip(reqs, slots) for _ in s]
         pos = [p for r, s in zip(reqs, slots) for p in range(r.kv_len, r.kv_len + len(s))]
         flat = [x for s in slots for x in s]
-        dev = self.table.table.device
-        self.table.table[torch.tensor(rows, dtype=torch.int64, device=dev),
-                         torch.tensor(pos, dtype=torch.int64, device=dev)] = torch.tensor(flat, dtype=torch.int32,
-                                                                                        device=dev)
+        dev = self.table.table.device  # copies that do not wait for the forward in flight (overlap)
+        self.table.table[to_device(rows, dev), to_device(pos, dev)] = to_device(flat, dev).to(torch.int32)
         for req, s in zip(reqs, slots):
             req.decode_slots.extend(s)
             req.kv_len += len(s)

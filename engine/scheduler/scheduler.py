@@ -66,7 +66,7 @@ from typing import Optional
 import torch
 
 from engine.args import SchedulerArgs
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import ForwardBatch, ForwardMode, to_device
 from engine.runner import ModelRunner
 from engine.sampling import PendingSample, sample_async
 from engine.scheduler.admission import Reservation
@@ -505,8 +505,7 @@ class Scheduler:
     def _inputs_from_pending(self, reqs: list[Request], host_ids: torch.Tensor) -> torch.Tensor:
         """Decode inputs: a request's previous token is read from the device when not processed yet."""
         prev = self._pending.sample.tokens
-        src = torch.tensor([r.pending_row if r.pending else -1 for r in reqs], dtype=torch.int64)
-        src = src.to(prev.device)
+        src = to_device([r.pending_row if r.pending else -1 for r in reqs], prev.device)  # not blocking
         return torch.where(src >= 0, prev[src.clamp(min=0)], host_ids)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> PendingSample:

@@ -40,3 +40,19 @@ def test_build_matches_the_per_token_definition(seed):
         assert fb.logits_indices.tolist() == logits and fb.req_pool_indices.tolist() == list(range(b))
         for x in (fb.input_ids, fb.positions, fb.seq_lens, fb.extend_lens, fb.prefix_lens, fb.logits_indices):
             assert x.dtype == torch.int64
+        assert fb.out_cache_loc.tolist() == list(range(t)) and fb.req_rows_cpu == list(range(b))
+
+
+def test_build_sends_the_host_columns_in_one_copy(monkeypatch):
+    # One host-to-device transfer per batch (pinned and non-blocking on a GPU: forward_batch.tensor_to_device),
+    # not one blocking copy per column, each of which would wait for the forward in flight.
+    import engine.forward_batch as fbm
+
+    sent = []
+    monkeypatch.setattr(fbm, "tensor_to_device", lambda t, device: sent.append(t.numel()) or t.clone())
+    fb = ForwardBatch.build(ForwardMode.DECODE, [5, 6, 7], [2, 0, 1], [10, 11, 12], [1, 1, 1],
+                            torch.tensor([40, 41, 42], dtype=torch.int32), [0, 1, 2], torch.device("cpu"))
+    assert sent == [3 * 8]  # 7 columns of the batch + the KV slots, 3 values each
+    assert fb.input_ids.tolist() == [5, 6, 7] and fb.positions.tolist() == [10, 11, 12]
+    assert fb.out_cache_loc.tolist() == [40, 41, 42] and fb.out_cache_loc.dtype == torch.int64
+    assert fb.seq_lens.tolist() == [11, 12, 13] and fb.req_pool_indices.tolist() == [2, 0, 1]
