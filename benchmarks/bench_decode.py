@@ -217,8 +217,9 @@ def main() -> None:
     rows = []
     from kernels import rms_norm
 
+    kernel_max_hidden = rms_norm.MAX_HIDDEN
     for norm in opts.norms.split(","):
-        rms_norm.MAX_HIDDEN = 16384 if norm == "triton" else 0  # 0: no row fits the kernel, torch form runs
+        rms_norm.MAX_HIDDEN = kernel_max_hidden if norm == "triton" else 0  # 0: no row fits, the torch form runs
         for attn in opts.attention_backends.split(","):
             for kv in opts.kv_dtypes.split(","):
                 for mode in opts.modes.split(","):
@@ -226,7 +227,7 @@ def main() -> None:
                                         enable_torch_compile=mode == "compile", torch_compile_max_bs=max(sizes))
                     key = dict(attn=attn, kv=kv, mode=mode, **({"norm": norm} if len(opts.norms.split(",")) > 1 else {}))
                     rows += run_case(args, cfg, sizes, bw, n_layers, key)
-    rms_norm.MAX_HIDDEN = 16384
+    rms_norm.MAX_HIDDEN = kernel_max_hidden
     layers = {bs: per_layer_times(base, bs) for bs in (sizes[0], sizes[-1])} if opts.per_layer else {}
     kernels = {int(b): kernel_table(base, int(b)) for b in opts.kernel_table.split(",") if b}
     with open(os.path.join(opts.out, "bench_decode.json"), "w") as f:

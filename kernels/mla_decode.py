@@ -229,23 +229,20 @@ def _mla_decode_stage1(
                 qk = tl.dot(q, tl.trans(kv))
                 qk += tl.dot(qpe, tl.trans(dot_operand(kpe, COMPUTE_DTYPE, INTERPRET)))
                 qk = qk * score_scale
-            elif KV_LOAD == 1:
-                col_ptr = KV + loc[None, :] * stride_kv
-                kt = tl.load(col_ptr + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-                kpet = tl.load(col_ptr + LKV + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None], other=0.0)
-                qk = tl.dot(q, dot_operand(kt, COMPUTE_DTYPE, INTERPRET))
-                qk += tl.dot(qpe, dot_operand(kpet, COMPUTE_DTYPE, INTERPRET))
-                qk = qk * score_scale
-                kv = tl.load(row_ptr + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-                kv = dot_operand(kv, COMPUTE_DTYPE, INTERPRET)
             else:
-                # K^T tiles [LKV | R, BLOCK_N] straight from the cache (K-major: a row's values
-                # are contiguous) into FP8 x FP8 dots, no conversion; V upcast as in "split".
+                # K^T [LKV | R, BLOCK_N] tiles (K-major: a row's values are contiguous) and V read
+                # separately; "split" upcasts K^T for 16-bit dots, "fp8dot" feeds it as stored to
+                # FP8 x FP8 dots on the e4m3 queries. V is upcast in both.
                 col_ptr = KV + loc[None, :] * stride_kv
                 kt = tl.load(col_ptr + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
                 kpet = tl.load(col_ptr + LKV + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None], other=0.0)
-                qk = tl.dot(q, fp8_operand(kt, INTERPRET)) * s_nope[:, None]
-                qk += tl.dot(qpe, fp8_operand(kpet, INTERPRET)) * s_rope[:, None]
+                if KV_LOAD == 1:
+                    qk = tl.dot(q, dot_operand(kt, COMPUTE_DTYPE, INTERPRET))
+                    qk += tl.dot(qpe, dot_operand(kpet, COMPUTE_DTYPE, INTERPRET))
+                    qk = qk * score_scale
+                else:
+                    qk = tl.dot(q, fp8_operand(kt, INTERPRET)) * s_nope[:, None]
+                    qk += tl.dot(qpe, fp8_operand(kpet, INTERPRET)) * s_rope[:, None]
                 kv = tl.load(row_ptr + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
                 kv = dot_operand(kv, COMPUTE_DTYPE, INTERPRET)
             visible = n_mask[None, :] & (offs_n[None, :] < limit[:, None])

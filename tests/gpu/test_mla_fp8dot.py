@@ -30,8 +30,7 @@ def _deepseek_case(seq_lens, heads=128, lkv=512, rope=64, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     max_ctx = max(seq_lens) + 1
     slots = len(seq_lens) * max_ctx + 1
-    table = torch.randperm(slots - 1, device="cuda", generator=g)[: len(seq_lens) * max_ctx].view(len(seq_lens), -1)
-    table = (table + 1).to(torch.int32)
+    table = (torch.randperm(slots - 1, device="cuda", generator=g) + 1).to(torch.int32).view(len(seq_lens), -1)
     cache = torch.randn(slots, lkv + rope, device="cuda", generator=g).bfloat16()
     q = (torch.randn(len(seq_lens), heads, lkv, device="cuda", generator=g) * 0.5).bfloat16()
     q_pe = (torch.randn(len(seq_lens), heads, rope, device="cuda", generator=g) * 0.5).bfloat16()
