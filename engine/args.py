@@ -203,6 +203,11 @@ class KernelArgs:
         "across restarts).",
     )
     torch_compile_max_bs: int = flag(32, "Largest decode batch that uses the torch.compile'd path.")
+    triton_compile_workers: Optional[int] = flag(
+        None, "Processes that compile the decode path's Triton kernels in parallel before CUDA-graph capture, "
+        "on a start whose Triton cache lacks them (default: this rank's share of the node's CPUs; 0: compile "
+        "them one at a time during capture).",
+    )
     kernel_config_dir: Optional[str] = flag(
         None, "Directory of tuned kernel configs (from dsctl tune-moe / tune-fp8), searched before the shipped "
         f"ones (default: ${KERNEL_CONFIG_DIR_ENV}).",
@@ -229,6 +234,8 @@ class KernelArgs:
                              "read: use --attention-backend triton or torch with it")
         if (self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1) or self.torch_compile_max_bs < 1:
             raise UsageError("--cuda-graph-max-bs and --torch-compile-max-bs must be >= 1")
+        if self.triton_compile_workers is not None and self.triton_compile_workers < 0:
+            raise UsageError("--triton-compile-workers must be >= 0 (0 compiles during capture)")
         if self.cuda_graph_bs is not None:
             sizes = self.cuda_graph_batch_sizes()
             if not sizes or min(sizes) < 1:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import logging
 import time
 from typing import Callable, Optional
@@ -41,8 +42,9 @@ class CudaGraphRunner:
     def __init__(self, forward: Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor]], batch_sizes: list[int],
                  padding_row: int, device: torch.device, compiled_forward=None, compile_max_bs: int = 0,
                  prepare: Callable[[ForwardBatch, int], None] = lambda fb, bs: None, capture: bool = True,
-                 spec_hidden: Optional[tuple[int, torch.dtype]] = None):
-        """spec_hidden: (width, dtype) of the MTP layer's hidden-state input, for graphs of its forward."""
+                 spec_hidden: Optional[tuple[int, torch.dtype]] = None, compile_workers: int = 0):
+        """spec_hidden: (width, dtype) of the MTP layer's hidden-state input, for graphs of its forward;
+        compile_workers: processes that compile the Triton kernels of every size before capture (0: none)."""
         self.sizes = sorted(batch_sizes)
         self.forward = forward
         self.max_bs = self.sizes[-1]
@@ -61,9 +63,12 @@ class CudaGraphRunner:
         self.batches: dict[int, ForwardBatch] = {}  # the static batch each graph was captured with
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.capture_seconds: dict[int, float] = {}  # per size: warm-up forwards + capture (start-up profile)
+        self.precompiled = None  # engine.triton_precompile.PrecompileReport when compile_workers > 0
         if not capture:  # padded static batches, run eagerly at replay (CPU tests of the padded paths)
             self.batches = {bs: self._batch(bs) for bs in self.sizes}
             return
+        if compile_workers:
+            self.precompiled = self._precompile(compile_workers)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         for bs in reversed(self.sizes):
@@ -85,6 +90,20 @@ class CudaGraphRunner:
             self.capture_seconds[bs] = time.perf_counter() - t0
         log.debug("CUDA graph capture seconds per batch size: %s",
                   {bs: round(t, 2) for bs, t in sorted(self.capture_seconds.items())})
+
+    def _precompile(self, workers: int):
+        """Compile, in parallel, the Triton kernels that the eager forward launches at every size
+        (engine/triton_precompile.py); the capture below then loads them from Triton's cache."""
+        from engine.triton_precompile import precompile
+
+        def run(bs: int) -> None:
+            fb = self._batch(bs)
+            self.prepare(fb, bs)
+            self.forward(fb)
+
+        report = precompile([functools.partial(run, bs) for bs in reversed(self.sizes)], workers)
+        torch.cuda.synchronize()
+        return report
 
     def _batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(

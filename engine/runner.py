@@ -228,12 +228,21 @@ class ModelRunner:
             self.req_to_token.reserve_scratch(max(batch_sizes))
         common = dict(batch_sizes=batch_sizes, padding_row=self.req_to_token.padding_row, device=self.device,
                       compile_max_bs=self.args.kernels.torch_compile_max_bs, prepare=self._prepare_graph,
-                      capture=capture)
+                      capture=capture, compile_workers=self._triton_compile_workers() if capture else 0)
         with torch.inference_mode():
             self.graphs = CudaGraphRunner(self._forward_eager, compiled_forward=compiled, **common)
             if spec:
                 self.mtp_graphs = CudaGraphRunner(self._forward_mtp_eager, compiled_forward=compiled_mtp,
                                                   spec_hidden=(self.config.hidden_size, self.dtype), **common)
+
+    def _triton_compile_workers(self) -> int:
+        """--triton-compile-workers, default: this rank's share of the CPUs (ranks of a node share them)."""
+        from engine.triton_precompile import default_workers
+
+        workers = self.args.kernels.triton_compile_workers
+        if workers is not None:
+            return workers
+        return default_workers(min(self.parallel.world_size, max(1, torch.cuda.device_count())))
 
     # ---- forward -----------------------------------------------------------
     def _forward_eager(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,134 @@
+"""Compile the Triton kernels that some forwards will launch, all at once in parallel, before they run.
+
+A machine's first start compiles every Triton kernel specialisation that CUDA-graph capture
+launches, one at a time inside the capture (84 of them, ~45 s for 5 DeepSeek-V3 layers on an H100;
+docs/perf.md "Start-up"). `precompile` runs the forwards once with Triton's compile hook
+(`triton.knobs.runtime.jit_cache_hook`) recording each specialisation that is not compiled yet
+instead of compiling it. Triton then skips that launch, so this pass computes garbage; that is safe
+for graph-capturable forwards, which read nothing back to the host, and whose Triton outputs feed
+only other Triton kernels and arithmetic, never an index op. The recorded specialisations are then
+compiled by a pool of worker processes (`JITFunction.preload`, Triton's public entry point for it),
+each writing its binary, and the host launcher stub of its signature (Triton 3.6 builds one C module
+per signature on first launch, ~0.3 s each), into Triton's on-disk cache; the capture that follows
+loads them from there. A worker that succeeds leaves a marker beside them (keyed by the Triton
+version, the kernel source's hash and the specialisation), so a later start sends only the kernels
+its cache lacks to workers, and a start with a full cache spawns none.
+
+Any failure here is logged and ignored: the capture then compiles what is missing, as before.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import importlib
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Specialisation:
+    """One kernel specialisation to compile: where its JIT function lives, and Triton's description."""
+    module: str
+    name: str
+    data: str  # Triton's serialised specialisation (the JSON `JITFunction.preload` takes)
+    marker: str  # file a successful compile leaves (see the module docstring)
+
+
+@dataclass
+class PrecompileReport:
+    kernels: int  # specialisations found uncompiled (in this process) by the recording pass
+    missing: int  # of those, not compiled by an earlier start (no marker)
+    compiled: int  # of those, compiled by the workers
+    record_s: float
+    compile_s: float
+    workers: int
+
+
+def default_workers(ranks_on_node: int = 1) -> int:
+    """The CPUs this process may use, shared between the ranks of one node."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // max(1, ranks_on_node))
+
+
+def record(forwards: Iterable[Callable[[], object]]) -> list[Specialisation]:
+    """Run each forward with uncompiled Triton kernels recorded instead of compiled (and not launched)."""
+    import triton
+    from triton import knobs
+
+    found: dict[Specialisation, None] = {}
+    markers = os.path.join(knobs.cache.dir, "dsctl-precompiled")
+
+    def hook(*, fn, compile, **_ignored) -> bool:
+        data = compile["specialization_data"]
+        key = hashlib.sha256(f"{triton.__version__}\n{fn.jit_function.cache_key}\n{data}".encode()).hexdigest()
+        found[Specialisation(fn.module, fn.name, data, os.path.join(markers, key))] = None
+        return True  # skip this compile (and so this launch)
+
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        for forward in forwards:
+            forward()
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    return list(found)
+
+
+def compile_all(specs: list[Specialisation], workers: int) -> int:
+    """Compile `specs` in `workers` spawned processes (into Triton's on-disk cache); how many succeeded."""
+    if not specs:
+        return 0
+    ctx = multiprocessing.get_context("spawn")
+    done = 0
+    with cf.ProcessPoolExecutor(max_workers=min(workers, len(specs)), mp_context=ctx) as pool:
+        futures = {pool.submit(compile_one, s.module, s.name, s.data, s.marker): s for s in specs}
+        for fut in cf.as_completed(futures):
+            try:
+                fut.result()
+                done += 1
+            except Exception as exc:  # the capture compiles it instead
+                log.warning("Triton precompile of %s failed (%s: %s); it compiles at capture instead",
+                            futures[fut].name, type(exc).__name__, exc)
+    return done
+
+
+def compile_one(module: str, name: str, data: str, marker: str) -> None:
+    """In a worker: compile one specialisation of `module.name` (a Triton JIT function, possibly wrapped)
+    and its launcher into Triton's cache, then leave `marker`."""
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    while not isinstance(fn, JITFunction):  # autotuner / heuristics wrappers hold the JIT function in .fn
+        fn = fn.fn
+    kernel = fn.preload(data)
+    driver.active.launcher_cls(kernel.src, kernel.metadata)  # builds (and caches) the signature's launcher
+    os.makedirs(os.path.dirname(marker), exist_ok=True)
+    with open(marker, "w"):
+        pass
+
+
+def precompile(forwards: Iterable[Callable[[], object]], workers: int) -> PrecompileReport:
+    """`record` the forwards' uncompiled kernels, then `compile_all` of them (module docstring)."""
+    t0 = time.perf_counter()
+    specs = record(forwards)
+    missing = [s for s in specs if not os.path.exists(s.marker)]
+    t1 = time.perf_counter()
+    compiled = 0
+    try:
+        compiled = compile_all(missing, workers)
+    except Exception as exc:  # e.g. no processes allowed here: the capture compiles them instead
+        log.warning("Triton precompile failed (%s: %s); kernels compile at capture instead", type(exc).__name__, exc)
+    report = PrecompileReport(len(specs), len(missing), compiled, t1 - t0, time.perf_counter() - t1, workers)
+    log.info("Triton precompile: %d kernels found in %.1f s, %d not in the cache, %d compiled by %d workers in %.1f s",
+             report.kernels, report.record_s, report.missing, report.compiled, report.workers, report.compile_s)
+    return report
