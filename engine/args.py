@@ -204,9 +204,9 @@ class KernelArgs:
     )
     torch_compile_max_bs: int = flag(32, "Largest decode batch that uses the torch.compile'd path.")
     triton_compile_workers: Optional[int] = flag(
-        None, "Processes that compile the decode path's Triton kernels in parallel before CUDA-graph capture, "
-        "on a start whose Triton cache lacks them (default: this rank's share of the node's CPUs; 0: compile "
-        "them one at a time during capture).",
+        None, "Processes that compile Triton kernels in parallel on a start whose Triton cache lacks them: "
+        "the decode path's before CUDA-graph capture, prefill steps' in the background (default: this rank's "
+        "share of the node's CPUs; 0: compile each one in-process on first use).",
     )
     kernel_config_dir: Optional[str] = flag(
         None, "Directory of tuned kernel configs (from dsctl tune-moe / tune-fp8), searched before the shipped "

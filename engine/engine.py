@@ -144,7 +144,8 @@ class Engine:
         return build_output(req.prompt_ids, req.params, got, self._decode)
 
     def close(self) -> None:
-        """Nothing to stop in one process (RankedEngine stops its ranks)."""
+        """Stop the runner's background kernel compiles (RankedEngine stops its ranks)."""
+        self.runner.close()
 
 
 def build_output(prompt_ids: list[int], p: SamplingParams, got: CollectedOutput, decode) -> GenerateOutput:

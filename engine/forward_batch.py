@@ -101,6 +101,24 @@ def to_device(values, device: torch.device) -> torch.Tensor:
     return tensor_to_device(_int64(values), device)
 
 
+def columns_to_device(columns: list, device: torch.device) -> list[torch.Tensor]:
+    """Host int columns (lists of ints or CPU integer tensors) as int64 tensors on `device`, in one copy
+    (`tensor_to_device` of their concatenation; the results are views of it)."""
+    parts, flat = [], []
+    for c in columns:
+        if isinstance(c, torch.Tensor):
+            if flat:
+                parts.append(_int64(flat))
+                flat = []
+            parts.append(c.reshape(-1).to(torch.int64))
+        else:
+            flat += c
+    if flat:
+        parts.append(_int64(flat))
+    packed = tensor_to_device(torch.cat(parts) if len(parts) > 1 else parts[0], device)
+    return list(packed.split([c.numel() if isinstance(c, torch.Tensor) else len(c) for c in columns]))
+
+
 def tensor_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor on `device`. From the host to a GPU through pinned memory without blocking: a copy from
     pageable memory would first wait for all the work queued on the stream, so the host could not

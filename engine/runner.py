@@ -30,6 +30,7 @@ from engine.model.backends import ATTENTION_BACKENDS, MOE_BACKENDS, BackendSetup
 from engine.model.context import ForwardContext
 from engine.model.rope import RotaryEmbedding
 from engine.resolve import ResolvedModel, resolve_model
+from engine.triton_precompile import fresh_process
 from kernels import tuned_configs
 from kernels.fp8_math import WEIGHT_BLOCK
 from kernels.interpret import interpreting
@@ -63,6 +64,13 @@ def _raise_recompile_limits() -> None:
     for name, floor in (("recompile_limit", 1024), ("accumulated_recompile_limit", 8192)):
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), floor))
+
+
+def prefill_token_counts(cap: int) -> list[int]:
+    """Prefill token counts (at most `cap`) that cover the tuned configs' batch-size keys and Triton's
+    integer specialisations (multiple of 16 or not) of the kernels a prefill step launches."""
+    keys = [2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096]  # above 4096: 4096's
+    return sorted({m for k in keys for m in (k, k + 1) if m <= cap} | {min(cap, 4097)})
 
 
 def pick_device(name: str) -> torch.device:
@@ -105,10 +113,22 @@ class ModelRunner:
             self._build_model()
         with _timed(phases, "KV pool"):
             self._init_memory()
-        self.graphs = self.mtp_graphs = None
+        self.graphs = self.mtp_graphs = self.prefill_compiles = None
+        self.compile_workers = workers = self._triton_compile_workers() if self.device.type == "cuda" else 0
+        if workers and not fresh_process():
+            log.info("Triton kernels already compiled in this process: no parallel precompile")
+            self.compile_workers = workers = 0
+        prefill_kernels = []
+        if workers and not self.dp_attention:
+            with _timed(phases, "prefill kernels"):
+                prefill_kernels = self._record_prefill()  # before the capture compiles anything in-process
         if self.setup.cuda_graphs:
             with _timed(phases, "CUDA graphs"):
                 self.build_graph_runner(list(self.setup.graph_batch_sizes))
+        if prefill_kernels:
+            from engine.triton_precompile import compile_in_background
+
+            self.prefill_compiles = compile_in_background(prefill_kernels, workers)
         self._report(phases)
 
     def _report(self, phases: dict[str, float]) -> None:
@@ -228,7 +248,7 @@ class ModelRunner:
             self.req_to_token.reserve_scratch(max(batch_sizes))
         common = dict(batch_sizes=batch_sizes, padding_row=self.req_to_token.padding_row, device=self.device,
                       compile_max_bs=self.args.kernels.torch_compile_max_bs, prepare=self._prepare_graph,
-                      capture=capture, compile_workers=self._triton_compile_workers() if capture else 0)
+                      capture=capture, compile_workers=self.compile_workers if capture else 0)
         with torch.inference_mode():
             self.graphs = CudaGraphRunner(self._forward_eager, compiled_forward=compiled, **common)
             if spec:
@@ -243,6 +263,33 @@ class ModelRunner:
         if workers is not None:
             return workers
         return default_workers(min(self.parallel.world_size, max(1, torch.cuda.device_count())))
+
+    def _record_prefill(self) -> list:
+        """The Triton kernels (engine/triton_precompile.py `record`) of prefill steps of the token counts
+        that a kernel config or specialisation tells apart: one request of n scratch tokens each, compiled
+        after the capture in the background. DP attention is left out: its eager forwards are agreed
+        between the groups."""
+        from engine.triton_precompile import record
+
+        sched = self.args.scheduler
+        cap = min(sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else sched.max_prefill_tokens,
+                  sched.max_prefill_tokens, self.max_model_len)
+
+        def run(n: int) -> None:
+            fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * n, [self.req_to_token.padding_row], [0], [n],
+                                    torch.zeros(n, dtype=torch.int64), [n - 1], self.device)
+            self.forward_ctx.begin_forward(fb)
+            self._forward_eager(fb)
+
+        with torch.inference_mode():
+            kernels = record([lambda n=n: run(n) for n in prefill_token_counts(cap)])
+        torch.cuda.synchronize(self.device)
+        return kernels
+
+    def close(self) -> None:
+        """Stop background kernel compiles that have not started (the process is about to end)."""
+        if self.prefill_compiles is not None:
+            self.prefill_compiles.cancel()
 
     # ---- forward -----------------------------------------------------------
     def _forward_eager(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

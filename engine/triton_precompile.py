@@ -14,7 +14,14 @@ loads them from there. A worker that succeeds leaves a marker beside them (keyed
 version, the kernel source's hash and the specialisation), so a later start sends only the kernels
 its cache lacks to workers, and a start with a full cache spawns none.
 
-Any failure here is logged and ignored: the capture then compiles what is missing, as before.
+The runner does this for the decode path before capture (`precompile`, waiting for the workers) and
+for prefill steps of the token counts that select different kernel configs (`record` before the
+capture, `compile_in_background` after it, not waiting: the server is ready meanwhile). Every
+recording pass must run before any kernel of the model is compiled in-process: a compiled kernel is
+launched for real, and one that reads the garbage of a skipped kernel as indices (MoE alignment after
+a skipped router) faults. Any failure here is logged
+and ignored: the kernels then compile in-process on first launch, as before; so does a process in
+which some kernel is already compiled (`fresh_process`).
 """
 
 from __future__ import annotations
@@ -57,6 +64,25 @@ def default_workers(ranks_on_node: int = 1) -> int:
     return max(1, cpus // max(1, ranks_on_node))
 
 
+def fresh_process(packages: tuple[str, ...] = ("kernels",)) -> bool:
+    """True while no Triton kernel of `packages` has been compiled in this process. The recording pass is
+    only safe then (module docstring): a second engine in one process, or one built after kernels ran
+    directly (tests, benchmarks), compiles in-process as without precompile."""
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not any(name == p or name.startswith(p + ".") for p in packages):
+            continue
+        for obj in list(vars(module).values()):
+            while obj is not None and not isinstance(obj, JITFunction) and hasattr(obj, "fn"):
+                obj = obj.fn  # autotuner / heuristics wrappers
+            if isinstance(obj, JITFunction) and any(caches[0] for caches in obj.device_caches.values()):
+                return False
+    return True
+
+
 def record(forwards: Iterable[Callable[[], object]]) -> list[Specialisation]:
     """Run each forward with uncompiled Triton kernels recorded instead of compiled (and not launched)."""
     import triton
@@ -81,22 +107,45 @@ def record(forwards: Iterable[Callable[[], object]]) -> list[Specialisation]:
     return list(found)
 
 
-def compile_all(specs: list[Specialisation], workers: int) -> int:
-    """Compile `specs` in `workers` spawned processes (into Triton's on-disk cache); how many succeeded."""
-    if not specs:
-        return 0
-    ctx = multiprocessing.get_context("spawn")
-    done = 0
-    with cf.ProcessPoolExecutor(max_workers=min(workers, len(specs)), mp_context=ctx) as pool:
-        futures = {pool.submit(compile_one, s.module, s.name, s.data, s.marker): s for s in specs}
-        for fut in cf.as_completed(futures):
+class Compiles:
+    """Specialisations being compiled by a pool of spawned worker processes (into Triton's cache)."""
+
+    def __init__(self, specs: list[Specialisation], workers: int, niceness: int = 0):
+        """niceness: added to the workers' scheduling priority (background compiles yield the CPUs to serving)."""
+        self.pool = None
+        self.futures: dict[cf.Future, Specialisation] = {}
+        if specs:
+            ctx = multiprocessing.get_context("spawn")
+            self.pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(specs)), mp_context=ctx,
+                                               initializer=os.nice, initargs=(niceness,))
+            self.futures = {self.pool.submit(compile_one, s.module, s.name, s.data, s.marker): s for s in specs}
+
+    def wait(self) -> int:
+        """Block until every compile ended; how many succeeded (failures are logged: the kernel then
+        compiles in-process on its first launch, as without precompile)."""
+        done = 0
+        for fut in cf.as_completed(self.futures):
+            if fut.cancelled():
+                continue
             try:
                 fut.result()
                 done += 1
-            except Exception as exc:  # the capture compiles it instead
+            except Exception as exc:
                 log.warning("Triton precompile of %s failed (%s: %s); it compiles at capture instead",
-                            futures[fut].name, type(exc).__name__, exc)
-    return done
+                            self.futures[fut].name, type(exc).__name__, exc)
+        self.cancel()
+        return done
+
+    def cancel(self) -> None:
+        """Drop the compiles not started yet and let the pool go (idempotent)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+
+
+def compile_all(specs: list[Specialisation], workers: int) -> int:
+    """Compile `specs` in `workers` spawned processes; how many succeeded."""
+    return Compiles(specs, workers).wait()
 
 
 def compile_one(module: str, name: str, data: str, marker: str) -> None:
@@ -132,3 +181,18 @@ def precompile(forwards: Iterable[Callable[[], object]], workers: int) -> Precom
     log.info("Triton precompile: %d kernels found in %.1f s, %d not in the cache, %d compiled by %d workers in %.1f s",
              report.kernels, report.record_s, report.missing, report.compiled, report.workers, report.compile_s)
     return report
+
+
+def compile_in_background(specs: list[Specialisation], workers: int) -> Compiles:
+    """Start compiling the recorded `specs` that the cache lacks without waiting for them (prefill kernels:
+    the server is ready meanwhile; a kernel launched before its worker is done compiles in-process, as
+    without precompile). `Compiles.cancel` stops what has not started."""
+    missing = [s for s in specs if not os.path.exists(s.marker)]
+    try:
+        compiles = Compiles(missing, workers, niceness=10)
+    except Exception as exc:
+        log.warning("Triton precompile failed (%s: %s); kernels compile on first use", type(exc).__name__, exc)
+        compiles = Compiles([], workers)
+    log.info("Triton precompile of prefill kernels: %d found, %d not in the cache, compiling in the background",
+             len(specs), len(missing))
+    return compiles

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from engine.forward_batch import tensor_to_device, to_device
+from engine.forward_batch import to_device
 from engine.memory.pools import KVPool, ReqToTokenPool
 from engine.memory.radix_cache import RadixCache
 from engine.scheduler.request import Request
@@ -92,9 +92,9 @@ class RequestMemory:
         rows = [r.row for r, s in zip(reqs, slots) for _ in s]
         pos = [p for r, s in zip(reqs, slots) for p in range(r.kv_len, r.kv_len + len(s))]
         flat = [x for s in slots for x in s]
-        dev = self.table.table.device  # copies that do not wait for the forward in flight (overlap)
-        self.table.table[to_device(rows, dev), to_device(pos, dev)] = tensor_to_device(
-            torch.tensor(flat, dtype=torch.int32), dev)
+        # one copy that does not wait for the forward in flight (overlap): rows, positions, slots
+        cols = to_device(rows + pos + flat, self.table.table.device).view(3, len(flat))
+        self.table.table[cols[0], cols[1]] = cols[2].to(torch.int32)
         for req, s in zip(reqs, slots):
             req.decode_slots.extend(s)
             req.kv_len += len(s)

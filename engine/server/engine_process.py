@@ -271,4 +271,5 @@ def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], 
         finally:
             sys.exit(1)
     finally:
+        runner.close()
         runner.parallel.destroy()

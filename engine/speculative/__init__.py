@@ -3,6 +3,7 @@ target forward, accept the longest path the target agrees with (docs/speculative
 
 Modules, one job each: `tree_table` (per-row KV index lists: tree attention as a batched decode),
 `draft` (the EAGLE-2 draft tree), `accept` (greedy and tree speculative sampling), `decoder` (the
-scheduler's spec step: draft, verify, accept, commit KV, hand tokens to the output processor),
-`draft_model` (a separate NextN checkpoint and the start-up checks), `stats` (accepted-length counters).
+scheduler's spec step: draft, verify, accept), `step_batch` (the step's device inputs in one copy, index
+tensors per batch size), `commit` (commit KV, hand tokens to the output processor), `draft_model` (a
+separate NextN checkpoint and the start-up checks), `stats` (accepted-length counters).
 """

@@ -5,7 +5,8 @@ distribution p for the next token is the verify logits of that node.
 
 - Greedy: the target's argmax y; if a child of the node carries y, it is accepted and the walk goes
   on from it, else y is the bonus token and the walk ends. The output is exactly the target's greedy
-  continuation.
+  continuation. `accept_greedy_batch` does the same for every greedy request of a step at once on the
+  device (the decoder's path); `accept_greedy` is the per-request walk it is tested against.
 - Sampling (temperature / top-k / top-p / min-p as the request asks): the children are deterministic
   candidates (the draft's top-k), tried in order. Child token x is accepted with probability
   r(x) / sum(r), where r starts as p and every rejected child's mass is removed (r(x) = 0); if every
@@ -44,6 +45,25 @@ def accept_greedy(argmax: list[int], tokens: list[int], children: list[list[int]
             return path, y
         path.append(nxt)
         cur = nxt
+
+
+def accept_greedy_batch(argmax: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                        live: torch.Tensor, anc: torch.Tensor, earlier: torch.Tensor,
+                        is_root: torch.Tensor) -> torch.Tensor:
+    """`accept_greedy` for every request at once, with tensor ops on the device (no host sync): [B, S + 3] rows
+    of (accepted path length, bonus token, the path's node indices from the root, its last node repeated).
+
+    argmax, tokens, parents (-1 at the root), depths [B, N]; live [B, N] bool; anc [B, N, S + 1]
+    (tree_table.ancestors); earlier [N, N] bool ([i, j] = i < j); is_root [B, N] bool. A node is `chosen` when it is live, carries the target's argmax at its parent and no earlier
+    sibling does (accept_greedy takes the first matching child in node order); the path is the chosen
+    nodes all of whose ancestors are chosen (the root counts as chosen), one per depth."""
+    b = tokens.shape[0]
+    ok = live & (tokens == argmax.gather(1, parents.clamp(min=0))) | is_root
+    shadowed = (ok[:, :, None] & (parents[:, :, None] == parents[:, None, :]) & earlier).any(1)
+    on_path = (ok & ~shadowed).gather(1, anc.view(b, -1)).view(anc.shape).all(-1)
+    count, end = ((depths + 1) * on_path).max(1)  # path length (the root: 1) and the path's last node
+    path = anc.gather(1, end.view(b, 1, 1).expand(b, 1, anc.shape[2])).view(b, -1)
+    return torch.cat((count[:, None], argmax.gather(1, end[:, None]), path), 1)
 
 
 def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -1,30 +1,35 @@
 """The speculative decode step: draft, verify, accept, commit, hand the tokens to the output processor.
 
 The scheduler calls `after_extend` after every prefill forward and, in place of its plain decode
-step, `step` on its decode batch (engine/scheduler/scheduler.py `_launch_spec`). Per request it keeps a `SpecState` (Request.spec): the
-positions whose draft (MTP) KV is written, and the target hidden states of the positions after them,
-whose draft KV needs the next token first.
+step, `step` on its decode batch (engine/scheduler/scheduler.py `_launch_spec`). Per request it keeps a
+`SpecState` (Request.spec): the positions whose draft (MTP) KV is written, and the target hidden states
+of the positions after them, whose draft KV needs the next token first.
 
 One step, for the running requests with kv_len = m (the last accepted token, the root, at position m):
+0. inputs: every host column the step needs goes to the device in one copy (step_batch.py);
 1. draft extend: the MTP layer over the pending positions (up to m - 1), writing their draft KV; its
    last row starts the draft;
-2. draft: the EAGLE-2 tree (draft.py), num_draft_tokens nodes per request, scratch slots for the
-   draft KV of expanded nodes;
+2. draft: the EAGLE-2 tree (draft.py), num_draft_tokens nodes per request, packed [3, B, N] on the
+   device, scratch slots for the draft KV of expanded nodes;
 3. verify: ONE target forward over every node (tree attention by per-node KV lists, tree_table.py),
-   at position m + depth, KV written to one fresh slot per node;
-4. accept (accept.py): greedy or tree speculative sampling; TP ranks take rank 0's result;
-5. commit: the accepted nodes' slots become the request's positions m.. in its request-table row (the
-   table is an indirection: writing the slot ids places them contiguously, no KV is copied); the
-   other nodes' and the draft's scratch slots go back to the pool now; the accepted nodes' target
-   hidden states become the next draft extend's input;
-6. the emitted tokens go through the OutputProcessor one position at a time, so EOS, stop ids, stop
-   strings, max_new_tokens and the context limit end a request exactly where plain decode would, and
-   later tokens of the run are dropped (the KV beyond is freed when the request is released).
+   at position m + depth, KV written to one fresh slot per node; the lists, positions and ids are built
+   with tensor ops from the packed tree; the host reads only the nodes' depths (the batch's host
+   sequence lengths, which FlashInfer plans from and the torch backend loops over);
+4. accept (accept.py): every greedy request at once with tensor ops, sampled requests by the host walk
+   of tree speculative sampling; TP ranks take rank 0's packed result (one broadcast);
+5. commit and 6. emit (commit.py), from one host copy of the packed result: the accepted nodes' slots
+   become the request's positions m.. in its request-table row (the table is an indirection: writing
+   the slot ids places them contiguously, no KV is copied); the other nodes' and the draft's scratch
+   slots go back to the pool now; the accepted nodes' target hidden states become the next draft
+   extend's input; the emitted tokens go through the OutputProcessor one position at a time, so EOS,
+   stop ids, stop strings, max_new_tokens and the context limit end a request exactly where plain
+   decode would, and later tokens of the run are dropped (the KV beyond is freed when the request is
+   released).
 
-The step synchronises (it reads the tree and the acceptance on the host), so with the overlap
-scheduler on it first processes the step in flight. Its forwards (steps 1-3) are decode-mode batches:
-with CUDA graphs on, the model's and the MTP layer's graphs (torch.compile'd where enabled) run them,
-the tree rows' KV lists sitting in the request table's scratch rows (ModelRunner.forward_tree).
+The step synchronises twice (the tree's depths before verify, the acceptance after it), so with the
+overlap scheduler on it first processes the step in flight. Its forwards (steps 1-3) are decode-mode
+batches: with CUDA graphs on, the model's and the MTP layer's graphs (torch.compile'd where enabled) run
+them, the tree rows' KV lists sitting in the request table's scratch rows (ModelRunner.forward_tree).
 """
 
 from __future__ import annotations
@@ -36,18 +41,20 @@ import torch
 
 from engine.args import SpeculativeArgs
 from engine.errors import UsageError
-from engine.forward_batch import tensor_to_device, to_device
-from engine.sampling import SampleResult
-from engine.speculative.accept import accept_greedy, accept_sampled, children_of, target_probs
-from engine.speculative.draft import decode_draft, draft_tree, extend_draft, unpack_tree
+from engine.forward_batch import columns_to_device
+from engine.speculative.accept import accept_greedy_batch, accept_sampled, children_of, target_probs
+from engine.speculative.commit import commit_and_emit
+from engine.speculative.draft import decode_draft, draft_tree, extend_draft
 from engine.speculative.stats import SpecStats
-from engine.speculative.tree_table import build_tree_table, tree_batch
+from engine.speculative.step_batch import StepBatch, StepIndex
+from engine.speculative.tree_table import ancestors, build_tree_table, tree_batch
 
 
 @dataclass
 class SpecState:
     mtp_len: int  # positions [0, mtp_len) have draft KV
-    hidden: Optional[torch.Tensor]  # target hidden states of positions [mtp_len, kv_len)
+    hidden: Optional[torch.Tensor]  # holds the target hidden states of positions [mtp_len, kv_len) ...
+    rows: list[int]  # ... at these rows (one tensor serves every request of a step)
 
 
 class SpecDecoder:
@@ -62,6 +69,7 @@ class SpecDecoder:
             raise UsageError("speculative decoding needs an MTP/NextN draft layer")
         self.slots_per_req = self.nodes + (self.steps - 1) * self.topk  # verify nodes + draft scratch
         self.stats = SpecStats(self.steps + 1)
+        self._indices: dict[int, StepIndex] = {}  # per batch size
 
     # ---- prefill ---------------------------------------------------------------------
     def after_extend(self, chunks, out) -> None:
@@ -78,7 +86,7 @@ class SpecDecoder:
                 starts.append(c.start)
                 toks.append(req.token_ids[c.start + 1:c.start + 1 + k])
                 hid.append(h[:k])
-            req.spec = SpecState(c.start + k, h[k:].clone() if c.final else None)
+            req.spec = SpecState(c.start + k, h[k:].clone() if c.final else None, list(range(n - k)))
         if rows:
             extend_draft(self.runner, rows, starts, toks, torch.cat(hid))
 
@@ -91,117 +99,80 @@ class SpecDecoder:
 
     def _step(self, reqs, outputs, mem) -> list[int]:
         runner, pool = self.runner, self.runner.kv_pool
-        b, n = len(reqs), self.nodes
-        kv = [r.kv_len for r in reqs]
-        rows = [r.row for r in reqs]
-        first = self._draft_extend(reqs)
+        b = len(reqs)
         draft_slots = pool.alloc(b * (self.steps - 1) * self.topk)  # scratch: back to the pool in this step
-        verify_slots = pool.alloc(b * n)
+        verify_slots = pool.alloc(b * self.nodes)
         try:
-            packed = draft_tree(runner, first[0], first[1], [r.token_ids[-1] for r in reqs], rows, kv,
-                                draft_slots.view(b, self.steps - 1, self.topk), self.steps, self.topk, n)
-            tree = unpack_tree(runner.share_sampled(packed))
-            out = self._verify(tree, rows, kv, verify_slots)
-            paths, bonus = self._accept(reqs, tree, kv, out.logits)
+            batch = StepBatch.build(reqs, draft_slots, verify_slots, self._index(b), self.steps, self.topk,
+                                    runner.device)
+            first = self._draft_extend(reqs, batch)
+            tree = runner.share_sampled(draft_tree(runner, *first, batch, self.steps, self.topk, self.nodes))
+            out, anc, host_depths = self._verify(batch, tree)
+            accepted = self._accept(reqs, batch, tree, anc, host_depths, out.logits)
         except BaseException:
             pool.free(verify_slots)
             raise
         finally:
             pool.free(draft_slots)
-        emitted = self._commit(reqs, tree, paths, bonus, verify_slots, out.hidden, mem)
-        self._emit(reqs, emitted, paths, out.logits, outputs)
-        return [len(e) for e in emitted]
+        return commit_and_emit(reqs, batch, tree, accepted, verify_slots, out, mem, outputs, pool)
 
-    def _draft_extend(self, reqs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _index(self, b: int) -> StepIndex:
+        """The index tensors of a b-request step (built once per batch size)."""
+        if b not in self._indices:
+            self._indices[b] = StepIndex.build(b, self.steps, self.topk, self.nodes, self.runner.device)
+        return self._indices[b]
+
+    def _draft_extend(self, reqs, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft KV for each request's pending positions; (logits, hidden) of its last one."""
-        starts = [r.spec.mtp_len for r in reqs]
-        toks = [r.token_ids[r.spec.mtp_len + 1:r.kv_len + 1] for r in reqs]
-        out = decode_draft(self.runner, [r.row for r in reqs], starts, toks, torch.cat([r.spec.hidden for r in reqs]))
-        last = to_device([len(t) for t in toks], out.hidden.device).cumsum(0) - 1
+        out = decode_draft(self.runner, batch.pending)
         for r in reqs:
-            r.spec.mtp_len, r.spec.hidden = r.kv_len, None
+            r.spec.mtp_len, r.spec.hidden, r.spec.rows = r.kv_len, None, []
+        last = batch.pending.last
         return out.logits[last], out.hidden[last]
 
-    def _verify(self, tree, rows: list[int], kv: list[int], verify_slots: torch.Tensor):
-        """One target forward over every tree node (node j of request i: row i * N + j)."""
-        runner, n, dev = self.runner, self.nodes, self.runner.device
-        width = self.steps + 1
-        anc = torch.zeros(len(rows) * n, width, dtype=torch.int64)
-        lens, seq, pos = [], [], []
-        vs = verify_slots.view(len(rows), n)
-        for i, (parents, depths) in enumerate(zip(tree.parents, tree.depths)):
-            paths = _paths(parents)
-            for j, path in enumerate(paths):
-                anc[i * n + j, :len(path)] = vs[i, path]
-                lens.append(len(path))
-                pos.append(kv[i] + depths[j])
-                seq.append(kv[i] + depths[j] + 1)
-        table = build_tree_table(runner.req_to_token.table, to_device(rows, dev).repeat_interleave(n),
-                                 to_device(kv, dev).repeat_interleave(n), tensor_to_device(anc, dev), to_device(lens, dev), max(kv))
-        ids = to_device([t for toks in tree.tokens for t in toks], dev)
-        fb = tree_batch(ids, pos, seq, verify_slots, dev, runner.max_model_len)
-        return runner.forward_tree(fb, table)
+    def _verify(self, batch: StepBatch, tree: torch.Tensor):
+        """One target forward over every tree node (node j of request i: row i * N + j); (output, the nodes'
+        ancestors [B, N, S + 1], the depths on the host). The depths are the step's one read of the tree:
+        the batch's host sequence lengths need them (FlashInfer plans from them, the torch backend loops)."""
+        runner, index = self.runner, batch.index
+        tokens, parents, depths = tree
+        host_depths = depths.tolist()
+        anc = ancestors(parents, depths, index.node_ids, index.levels)
+        b, n, width = anc.shape
+        table = build_tree_table(runner.req_to_token.table, batch.node_rows, batch.node_kv,
+                                 batch.verify_slots.gather(1, anc.view(b, -1)).view(b * n, width), max(batch.kv))
+        host_seq = [m + d + 1 for m, ds in zip(batch.kv, host_depths) for d in ds]
+        fb = tree_batch(tokens.reshape(-1), batch.node_kv + depths.view(-1), batch.verify_slots.view(-1),
+                        host_seq, index.nodes, runner.max_model_len, max(batch.kv) + self.steps)
+        return runner.forward_tree(fb, table), anc, host_depths
 
-    def _accept(self, reqs, tree, kv: list[int], logits: torch.Tensor) -> tuple[list[list[int]], list[int]]:
-        """Per request the accepted path (node indices from the root) and the bonus token, rank 0's under TP."""
+    def _accept(self, reqs, batch: StepBatch, tree: torch.Tensor, anc: torch.Tensor, host_depths: list[list[int]],
+                logits: torch.Tensor) -> torch.Tensor:
+        """[B, S + 3] on the device: per request (accepted path length, bonus token, path node indices, the last
+        repeated), rank 0's under TP. Greedy requests all at once on the device; sampled ones walk their trees
+        on the host."""
+        tokens, parents, depths = tree
+        b, n = tokens.shape
+        argmax = logits.argmax(-1).view(b, n)
+        live = batch.node_kv.view(b, n) + depths <= self.runner.max_model_len - 1
+        ix = batch.index
+        result = accept_greedy_batch(argmax, tokens, parents, depths, live, anc, ix.earlier, ix.is_root)
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if sampled:
+            result = self._accept_sampled(reqs, sampled, tree, batch.kv, host_depths, logits, result)
+        return self.runner.share_sampled(result)
+
+    def _accept_sampled(self, reqs, sampled: list[int], tree: torch.Tensor, kv: list[int],
+                        host_depths: list[list[int]], logits: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        """`result` with the rows of the `sampled` requests replaced by tree speculative sampling (host walks)."""
         n, limit = self.nodes, self.runner.max_model_len
-        argmax = logits.argmax(-1).view(len(reqs), n).tolist()
-        packed = [[-1] * (self.steps + 3) for _ in reqs]
-        for i, req in enumerate(reqs):
-            kids = children_of(tree.parents[i])
-            live = [kv[i] + d <= limit - 1 for d in tree.depths[i]]
-            if req.params.greedy:
-                path, bonus = accept_greedy(argmax[i], tree.tokens[i], kids, live)
-            else:
-                rows = logits[i * n:(i + 1) * n]
-                path, bonus = accept_sampled(lambda j, rows=rows, p=req.params: target_probs(rows[j], p),
-                                             tree.tokens[i], kids, live, req.generator)
-            packed[i][:2 + len(path)] = [len(path), bonus, *path]
-        packed = self.runner.share_sampled(to_device(packed, self.runner.device).view(len(reqs), -1)).tolist()
-        return [row[2:2 + row[0]] for row in packed], [row[1] for row in packed]
-
-    def _commit(self, reqs, tree, paths, bonus, verify_slots: torch.Tensor, hidden: torch.Tensor,
-                mem) -> list[list[int]]:
-        """Accepted nodes' slots become the requests' positions kv_len.. (`mem.append_slots`), the other
-        nodes' go back to the pool; the emitted tokens per request."""
-        n = self.nodes
-        vs = verify_slots.view(len(reqs), n)
-        keep_mask = torch.zeros(len(reqs), n, dtype=torch.bool)
-        emitted, hid_rows = [], []
-        for i, path in enumerate(paths):
-            keep_mask[i, path] = True
-            hid_rows += [i * n + j for j in path]
-            emitted.append([tree.tokens[i][j] for j in path[1:]] + [bonus[i]])
-        mem.append_slots(reqs, [vs[i, path].tolist() for i, path in enumerate(paths)])
-        self.runner.kv_pool.free(vs[~keep_mask])
-        kept = hidden[to_device(hid_rows, hidden.device)].split([len(p) for p in paths])  # one gather for all
-        for req, h in zip(reqs, kept):
-            req.spec.hidden = h
-        return emitted
-
-    def _emit(self, reqs, emitted, paths, logits: torch.Tensor, outputs) -> None:
-        """Hand the tokens to the output processor one position at a time (stops cut a run exactly)."""
-        n = self.nodes
-        logp = None
-        if any(r.params.logprobs or r.params.top_logprobs for r in reqs):
-            logp = torch.log_softmax(logits.float(), dim=-1)
-        for k in range(max(len(e) for e in emitted)):
-            idx = [i for i, e in enumerate(emitted) if len(e) > k]
-            toks = [emitted[i][k] for i in idx]
-            lps, tops = [0.0] * len(idx), [[] for _ in idx]
-            if logp is not None:
-                rows = [i * n + paths[i][k] for i in idx]  # the node whose logits decided the token
-                lps = logp[rows, toks].tolist()
-                for m, (i, row) in enumerate(zip(idx, rows)):
-                    if reqs[i].params.top_logprobs:
-                        v, ix = logp[row].topk(reqs[i].params.top_logprobs)
-                        tops[m] = list(zip(ix.tolist(), v.tolist()))
-            outputs.process([reqs[i] for i in idx], SampleResult(tokens=toks, logprobs=lps, top=tops))
-
-
-def _paths(parents: list[int]) -> list[list[int]]:
-    """Node indices from the root to each node (parents precede children)."""
-    paths: list[list[int]] = []
-    for j, p in enumerate(parents):
-        paths.append([0] if p < 0 else paths[p] + [j])
-    return paths
+        tokens, parents = tree[0].tolist(), tree[1].tolist()
+        rows = []
+        for i in sampled:
+            live = [kv[i] + d <= limit - 1 for d in host_depths[i]]
+            req, lg = reqs[i], logits[i * n:(i + 1) * n]
+            path, bonus = accept_sampled(lambda j, lg=lg, p=req.params: target_probs(lg[j], p), tokens[i],
+                                         children_of(parents[i]), live, req.generator)
+            rows += [len(path), bonus, *path] + path[-1:] * (self.steps + 1 - len(path))
+        sel, vals = columns_to_device([sampled, rows], result.device)
+        return result.index_copy(0, sel, vals.view(len(sampled), -1))

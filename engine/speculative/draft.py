@@ -16,21 +16,14 @@ generation order, so that selection always contains every selected node's parent
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from engine.forward_batch import ForwardBatch, ForwardMode, to_device
+from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.runner import ForwardOutput
+from engine.speculative.step_batch import Pending, StepBatch
 from engine.speculative.tree_table import build_tree_table, tree_batch
-
-
-@dataclass
-class DraftTree:
-    """Per request, N nodes: node 0 is the root (the last accepted token), parents precede children."""
-    tokens: list[list[int]]
-    parents: list[list[int]]  # -1 for the root
-    depths: list[list[int]]
 
 
 def extend_draft(runner, rows: list[int], starts: list[int], tokens: list[list[int]],
@@ -45,82 +38,78 @@ def extend_draft(runner, rows: list[int], starts: list[int], tokens: list[list[i
     return runner.forward_mtp(fb)
 
 
-def decode_draft(runner, rows: list[int], starts: list[int], tokens: list[list[int]],
-                 hidden: torch.Tensor) -> ForwardOutput:
+def decode_draft(runner, pending: Pending) -> ForwardOutput:
     """`extend_draft` as a decode-mode batch, for a decode step's few pending positions: one row per
     position (its request's table row, sequence length position + 1; the MTP layer writes every row's KV
     before attending), so the MTP layer's CUDA graphs run it. Logits for every row."""
-    dev = runner.device
-    pos = [s + i for s, t in zip(starts, tokens) for i in range(len(t))]
-    req_rows = to_device([r for r, t in zip(rows, tokens) for _ in t], dev)
-    slots = runner.req_to_token.table[req_rows, to_device(pos, dev)].to(torch.int64)
-    ids = to_device([x for t in tokens for x in t], dev)
-    fb = tree_batch(ids, pos, [p + 1 for p in pos], slots, dev, runner.max_model_len)
-    return runner.forward_mtp(replace(fb, req_pool_indices=req_rows, spec_hidden=hidden))
+    p = pending
+    slots = runner.req_to_token.table[p.rows, p.positions].to(torch.int64)
+    fb = tree_batch(p.ids, p.positions, slots, p.host_seq_lens, p.index, runner.max_model_len,
+                    max(p.host_seq_lens, default=1) - 1, req_rows=p.rows, spec_hidden=p.hidden)
+    return runner.forward_mtp(fb)
 
 
-def draft_tree(runner, first_logits: torch.Tensor, first_hidden: torch.Tensor, roots: list[int],
-               rows: list[int], kv_lens: list[int], draft_slots: torch.Tensor, steps: int, topk: int,
-               num_nodes: int) -> torch.Tensor:
-    """The EAGLE-2 tree (module docstring), packed [3, B, N] (tokens, parents, depths) on the device so that
-    TP ranks can share rank 0's (`unpack_tree` makes it a DraftTree). first_*: the MTP output at each
-    request's last position; draft_slots [B, steps - 1, topk]: scratch slots for the frontier nodes' draft KV."""
-    dev = first_logits.device
-    b, k = len(rows), topk
+def draft_tree(runner, first_logits: torch.Tensor, first_hidden: torch.Tensor, batch: StepBatch, steps: int,
+               topk: int, num_nodes: int) -> torch.Tensor:
+    """The EAGLE-2 tree (module docstring), packed [3, B, N] (tokens, parents, depths) on the device, where TP
+    ranks can share rank 0's. first_*: the MTP output at each request's last position; batch: the step's
+    device inputs (its draft_slots [B, steps - 1, topk] take the frontier nodes' draft KV). Candidates are
+    numbered 0 (the root, score +inf so that it is always selected first), then in generation order."""
+    b, k, ix = len(batch.rows), topk, batch.index
     score, tok = torch.log_softmax(first_logits.float(), -1).topk(k, dim=-1)  # [B, K]
-    cand_tok, cand_score = [tok], [score]
-    cand_parent = [torch.full((b, k), -1, dtype=torch.int64, device=dev)]
-    cand_depth = [torch.ones((b, k), dtype=torch.int64, device=dev)]
-    f_idx = torch.arange(k, device=dev).expand(b, k)
-    f_tok, f_score = tok, score
-    f_hidden = first_hidden[:, None, :].expand(b, k, first_hidden.shape[-1])
-    f_anc = torch.empty(b, k, 0, dtype=torch.int64, device=dev)
-    req_rows = to_device(rows, dev).repeat_interleave(k)
-    prefix = to_device(kv_lens, dev).repeat_interleave(k)
-    draft_slots = draft_slots.to(dev)
-    offset = k
+    cand_tok, cand_score, cand_parent = [batch.roots[:, None], tok], [ix.root_score, score], [ix.cand_first]
+    f = _Frontier(ix.first_ids, tok, score, first_hidden[ix.frontier_req],
+                  torch.empty(b, k, 0, dtype=torch.int64, device=tok.device))
+    offset = 1 + k
     for d in range(2, steps + 1):
-        own = draft_slots[:, d - 2, :]
-        anc = torch.cat((f_anc, own[..., None]), dim=-1)  # [B, K, d - 1]: ancestors' draft slots, then its own
-        table = build_tree_table(runner.req_to_token.table, req_rows, prefix, anc.reshape(b * k, d - 1),
-                                 torch.full((b * k,), d - 1, device=dev), max(kv_lens))
-        seq = [m + d - 1 for m in kv_lens for _ in range(k)]
-        fb = tree_batch(f_tok.reshape(-1), [s - 1 for s in seq], seq, own.reshape(-1), dev, runner.max_model_len)
-        fb.spec_hidden = f_hidden.reshape(b * k, -1)
-        out = runner.forward_tree(fb, table, mtp=True)
+        out, anc = _draft_step(runner, batch, f, d)
         s, t = torch.log_softmax(out.logits.float(), -1).view(b, k, -1).topk(k, dim=-1)  # [B, K, K]
-        ch_score = (f_score[..., None] + s).reshape(b, k * k)
-        ch_tok = t.reshape(b, k * k)
+        ch_score = (f.score[..., None] + s).view(b, k * k)
+        ch_tok = t.view(b, k * k)
         cand_tok.append(ch_tok)
         cand_score.append(ch_score)
-        cand_parent.append(f_idx[..., None].expand(b, k, k).reshape(b, k * k))
-        cand_depth.append(torch.full((b, k * k), d, dtype=torch.int64, device=dev))
+        cand_parent.append(f.idx.gather(1, ix.child_of))
         order = torch.sort(ch_score, dim=1, descending=True, stable=True).indices[:, :k]
-        prow = order // k  # the frontier row that proposed each new frontier node
-        f_idx, f_tok, f_score = offset + order, ch_tok.gather(1, order), ch_score.gather(1, order)
-        f_hidden = out.hidden.view(b, k, -1).gather(1, prow[..., None].expand(b, k, out.hidden.shape[-1]))
-        f_anc = anc.gather(1, prow[..., None].expand(b, k, d - 1))
+        prow = order.div(k, rounding_mode="floor") + ix.frontier_base  # the proposing frontier row
+        f = _Frontier(offset + order, ch_tok.gather(1, order), ch_score.gather(1, order), out.hidden[prow.view(-1)],
+                      anc.view(b * k, -1)[prow])
         offset += k * k
-    return _select(torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1),
-                   torch.cat(cand_depth, 1), roots, num_nodes)
+    return _select(torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1), ix.cand_depth,
+                   ix.unselected, ix.node_ids)
 
 
-def _select(tok, score, parent, depth, roots: list[int], num_nodes: int) -> torch.Tensor:
-    """The num_nodes - 1 best candidates by cumulative log-prob, in generation order, under the root."""
-    b, dev = tok.shape[0], tok.device
-    sel = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :num_nodes - 1].sort(dim=1).values
-    node_of = torch.full_like(tok, -1)
-    node_of.scatter_(1, sel, torch.arange(1, num_nodes, device=dev).expand(b, num_nodes - 1))
-    par = parent.gather(1, sel)
-    par_node = torch.where(par < 0, 0, node_of.gather(1, par.clamp(min=0)))
-    col = to_device(roots, dev)[:, None]
-    zero = torch.zeros_like(col)
-    packed = torch.stack((torch.cat((col, tok.gather(1, sel)), 1), torch.cat((zero - 1, par_node), 1),
-                          torch.cat((zero, depth.gather(1, sel)), 1)))
-    return packed
+@dataclass(frozen=True)
+class _Frontier:
+    """The nodes a draft step expands, K per request: candidate number, token, cumulative log-prob, the MTP
+    hidden state that proposed it ([B x K, H]) and its ancestors' draft slots ([B, K, depth - 1])."""
+    idx: torch.Tensor
+    tok: torch.Tensor
+    score: torch.Tensor
+    hidden: torch.Tensor
+    anc: torch.Tensor
 
 
-def unpack_tree(packed: torch.Tensor) -> DraftTree:
-    """[3, B, N] (tokens, parents, depths) -> host lists (one copy)."""
-    tokens, parents, depths = packed.tolist()
-    return DraftTree(tokens, parents, depths)
+def _draft_step(runner, batch: StepBatch, f: _Frontier, d: int) -> tuple[ForwardOutput, torch.Tensor]:
+    """Draft step d: the MTP layer over the frontier nodes (depth d - 1, at MTP position kv_len + d - 2: tree
+    attention over the request's draft KV, its ancestors' scratch slots and its own); (output, those slots)."""
+    b, k = f.tok.shape
+    own = batch.draft_slots[:, d - 2, :]
+    anc = torch.cat((f.anc, own[..., None]), dim=-1)  # [B, K, d - 1]: ancestors' draft slots, then its own
+    max_kv = max(batch.kv)
+    table = build_tree_table(runner.req_to_token.table, batch.frontier_rows, batch.frontier_kv,
+                             anc.view(b * k, d - 1), max_kv)
+    host_seq = [m + d - 1 for m in batch.kv for _ in range(k)]
+    fb = tree_batch(f.tok.reshape(-1), batch.frontier_kv + (d - 2), own.reshape(-1), host_seq, batch.index.frontier,
+                    runner.max_model_len, max_kv + d - 2, spec_hidden=f.hidden)
+    return runner.forward_tree(fb, table, mtp=True), anc
+
+
+def _select(tok, score, parent, depth, unselected: torch.Tensor, node_ids: torch.Tensor) -> torch.Tensor:
+    """The N best candidates by cumulative log-prob (the root first: its score is +inf), in generation order,
+    packed [3, B, N] (tokens, parents as node indices, depths). tok / score / parent (candidate numbers, -1
+    for the root) / depth [B, C]; unselected [B, C + 1] all -1; node_ids [B, N] 0..N-1 per row."""
+    n = node_ids.shape[1]
+    sel = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :n].sort(dim=1).values
+    node_of = unselected.clone().scatter_(1, sel + 1, node_ids)  # column c + 1: candidate c's node (-1: none)
+    parents = node_of.gather(1, parent.gather(1, sel) + 1)  # the root's parent -1 reads column 0: -1
+    return torch.stack((tok.gather(1, sel), parents, depth.gather(1, sel)))

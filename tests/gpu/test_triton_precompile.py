@@ -4,6 +4,8 @@ Each case runs in a fresh process with a new, empty Triton cache, so that no ker
 cached beforehand. With --triton-compile-workers 2, the recording pass must find the decode path's
 kernels, the workers must compile all of them, the capture that follows must compile none itself
 (every in-process compile is a cache hit), and greedy output must equal a run without precompile.
+The prefill kernels compile in the background; a second start with that cache spawns no worker and
+its prefills compile nothing in-process.
 """
 
 import json
@@ -35,8 +37,12 @@ at_start = list(misses)
 g = torch.Generator().manual_seed(0)
 prompts = [torch.randint(0, 256, (int(k),), generator=g).tolist() for k in torch.randint(3, 40, (4,), generator=g)]
 out = eng.generate(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+serving = misses[len(at_start):]
+bg = eng.runner.prefill_compiles
+prefill = None if bg is None else [len(bg.futures), bg.wait()]  # wait: the next start may use them
 print("RESULT " + json.dumps({{"misses_at_start": sum(not h for h in at_start), "hits_at_start": sum(at_start),
-                              "precompile": pre, "tokens": [o.token_ids for o in out]}}))
+                              "misses_serving": sum(not h for h in serving), "precompile": pre,
+                              "prefill": prefill, "tokens": [o.token_ids for o in out]}}))
 """
 
 
@@ -59,6 +65,10 @@ def test_precompile_leaves_nothing_for_capture(tmp_path):
     assert par["misses_at_start"] == 0, par  # with it, every in-process compile loads the workers' binaries
     assert par["hits_at_start"] >= kernels
     assert par["tokens"] == base["tokens"]
+    assert par["prefill"][0] > 0 and par["prefill"][0] == par["prefill"][1], par["prefill"]  # all compiled
     again = _run(2, tmp_path)  # the same cache: every kernel is there, no worker is needed
     assert again["precompile"][0] == kernels and again["precompile"][1:] == [0, 0], again["precompile"]
+    assert again["prefill"] == [0, 0], again["prefill"]
     assert again["misses_at_start"] == 0 and again["tokens"] == base["tokens"]
+    # the prefills of these prompts (4 x 3-40 tokens) found their kernels among the precompiled ones
+    assert again["misses_serving"] == 0, again

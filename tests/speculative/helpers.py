@@ -48,13 +48,13 @@ def oracle_draft(monkeypatch, eng, refs: dict[tuple, list[int]], corrupt_every: 
     real = decoder_mod.draft_tree
     calls = [0]
 
-    def fake(runner, first_logits, first_hidden, roots, rows, kv_lens, draft_slots, steps, topk, n):
-        packed = real(runner, first_logits, first_hidden, roots, rows, kv_lens, draft_slots, steps, topk, n)
+    def fake(runner, first_logits, first_hidden, batch, steps, topk, n):
+        packed = real(runner, first_logits, first_hidden, batch, steps, topk, n)
         calls[0] += 1
         by_row = {r.row: r for r in eng.scheduler.running}
         tokens, parents, depths = packed.tolist()
         vocab = first_logits.shape[-1]
-        for i, row in enumerate(rows):
+        for i, row in enumerate(batch.rows):
             req = by_row[row]
             ref = refs[tuple(req.prompt_ids)]
             chain = ref[req.num_output:req.num_output + steps]

@@ -16,7 +16,7 @@ def test_tree_table_rows_are_prefix_then_ancestors():
     req = torch.arange(100, dtype=torch.int32).view(4, 25)  # row r holds slots 25r .. 25r + 24
     rows, prefix = torch.tensor([2, 0, 2]), torch.tensor([5, 3, 0])
     extra = torch.tensor([[90, 91, 92], [80, 0, 0], [70, 71, 0]])
-    t = build_tree_table(req, rows, prefix, extra, torch.tensor([3, 1, 2]), int(prefix.max())).table
+    t = build_tree_table(req, rows, prefix, extra, int(prefix.max())).table  # lists of 3, 1 and 2 extra slots
     assert t.dtype == req.dtype and t.shape == (3, 8)
     assert t[0, :8].tolist() == [50, 51, 52, 53, 54, 90, 91, 92]
     assert t[1, :4].tolist() == [0, 1, 2, 80]
@@ -24,12 +24,13 @@ def test_tree_table_rows_are_prefix_then_ancestors():
 
 
 def test_selection_keeps_parents_and_orders_them_first():
-    # candidates: 2 at depth 1 (scores -1, -3), 4 at depth 2 under candidate 0 / 1
-    tok = torch.tensor([[10, 11, 12, 13, 14, 15]])
-    score = torch.tensor([[-1.0, -3.0, -1.5, -1.0, -3.5, -9.0]])  # a child ties its parent (-1.0)
-    parent = torch.tensor([[-1, -1, 0, 0, 1, 1]])
-    depth = torch.tensor([[1, 1, 2, 2, 2, 2]])
-    tokens, parents, depths = _select(tok, score, parent, depth, [7], 5).tolist()
+    # candidates: the root (token 7), 2 at depth 1 (scores -1, -3), 4 at depth 2 under candidate 1 / 2
+    tok = torch.tensor([[7, 10, 11, 12, 13, 14, 15]])
+    score = torch.tensor([[float("inf"), -1.0, -3.0, -1.5, -1.0, -3.5, -9.0]])  # a child ties its parent (-1.0)
+    parent = torch.tensor([[-1, 0, 0, 1, 1, 2, 2]])
+    depth = torch.tensor([[0, 1, 1, 2, 2, 2, 2]])
+    unselected = torch.full((1, 8), -1)
+    tokens, parents, depths = _select(tok, score, parent, depth, unselected, torch.arange(5)[None]).tolist()
     assert tokens[0] == [7, 10, 11, 12, 13] and parents[0] == [-1, 0, 0, 1, 1] and depths[0] == [0, 1, 1, 2, 2]
 
 
