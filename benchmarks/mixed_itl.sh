@@ -12,6 +12,7 @@
 # output tok/s, long-prompt TTFT, failures, and on/off ratios.
 #   bash benchmarks/mixed_itl.sh                      (V3, 5 layers, dummy FP8: ~5 minutes on an H100)
 #   CHUNK=8192 LONG_IN=7680 bash benchmarks/mixed_itl.sh
+#   MODEL=deepseek-v2-lite LAYERS=full bash benchmarks/mixed_itl.sh
 # Writes $OUT/mixed-{off,on}-serve.log, $OUT/mixed-{off,on}-{short,long,warm}.{jsonl,txt}.
 # The GPU image lacks the server's Python packages (uvicorn, starlette, ...): `bash benchmarks/mixed_itl.sh
 # --bundle`, run where they are installed, copies them into $SITE (default .whl/site, git-ignored; carry it
@@ -57,6 +58,7 @@ CHUNK=${CHUNK:-2048}; EXTRA=${EXTRA:-}
 SHORT_IN=${SHORT_IN:-256}; SHORT_OUT=${SHORT_OUT:-512}; SHORT_CONC=${SHORT_CONC:-32}; SHORT_N=${SHORT_N:-96}
 LONG_IN=${LONG_IN:-6144}; LONG_OUT=${LONG_OUT:-16}; LONG_RATE=${LONG_RATE:-1}; LONG_N=${LONG_N:-30}
 LONG_DELAY=${LONG_DELAY:-3}; MODES=${MODES:-"off on"}
+layers=(); [ "$LAYERS" != full ] && layers=(--num-layers "$LAYERS")  # LAYERS=full: the model's depth
 MAX_LEN=$(( LONG_IN + LONG_OUT > SHORT_IN + SHORT_OUT ? LONG_IN + LONG_OUT : SHORT_IN + SHORT_OUT ))
 MAX_LEN=$(( MAX_LEN + 64 ))
 mkdir -p "$OUT"
@@ -114,7 +116,7 @@ for mode in $MODES; do
     rm -f "$OUT/$tag"-*.jsonl
     start=$(date +%s)
     # shellcheck disable=SC2086
-    python3 -m dsctl serve --model "$MODEL" --load-format dummy --num-layers "$LAYERS" --port "$PORT" \
+    python3 -m dsctl serve --model "$MODEL" --load-format dummy "${layers[@]}" --port "$PORT" \
         --max-model-len "$MAX_LEN" --chunked-prefill-size "$CHUNK" $flag $EXTRA > "$OUT/$tag-serve.log" 2>&1 &
     pid=$!
     for _ in $(seq 600); do
