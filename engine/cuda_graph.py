@@ -10,6 +10,8 @@ request table's padding row (every slot 0, the KV pool's scratch slot) with
 sequence length 1, so they attend to one scratch token and write only scratch.
 With --enable-torch-compile the model's decode forward is compiled before capture
 for batch sizes up to --torch-compile-max-bs.
+With compile_workers > 0 (the runner passes --triton-compile-workers in a fresh process) the Triton
+kernels of every size are first compiled in parallel worker processes (engine/triton_precompile.py).
 
 `prepare(fb, bs)` (the runner passes `ForwardContext.begin_forward`) runs the
 backends' host-side planning outside the graph: before each capture (on the dummy

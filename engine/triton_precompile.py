@@ -1,27 +1,24 @@
 """Compile the Triton kernels that some forwards will launch, all at once in parallel, before they run.
 
-A machine's first start compiles every Triton kernel specialisation that CUDA-graph capture
-launches, one at a time inside the capture (84 of them, ~45 s for 5 DeepSeek-V3 layers on an H100;
-docs/perf.md "Start-up"). `precompile` runs the forwards once with Triton's compile hook
-(`triton.knobs.runtime.jit_cache_hook`) recording each specialisation that is not compiled yet
-instead of compiling it. Triton then skips that launch, so this pass computes garbage; that is safe
-for graph-capturable forwards, which read nothing back to the host, and whose Triton outputs feed
-only other Triton kernels and arithmetic, never an index op. The recorded specialisations are then
-compiled by a pool of worker processes (`JITFunction.preload`, Triton's public entry point for it),
-each writing its binary, and the host launcher stub of its signature (Triton 3.6 builds one C module
-per signature on first launch, ~0.3 s each), into Triton's on-disk cache; the capture that follows
-loads them from there. A worker that succeeds leaves a marker beside them (keyed by the Triton
-version, the kernel source's hash and the specialisation), so a later start sends only the kernels
-its cache lacks to workers, and a start with a full cache spawns none.
+A machine's first start compiled every Triton kernel specialisation one at a time when it was first
+launched: ~45 s of CUDA-graph capture for 5 DeepSeek-V3 layers on an H100, and seconds of latency on the
+first prefill of each new size (docs/perf.md "Start-up"). `record` runs forwards once with Triton's
+compile hook (`triton.knobs.runtime.jit_cache_hook`) recording each specialisation that is not compiled
+in this process instead of compiling it; Triton then skips that launch, so the pass computes garbage.
+That is only safe while NO kernel is compiled in-process (`fresh_process`): every launch is skipped
+then, whereas a compiled kernel would run for real and may read a skipped kernel's garbage as indices
+(the MoE GEMM after a skipped router faults). The recorded specialisations go to a pool of spawned
+worker processes (`Compiles`), each compiling one with `JITFunction.preload` (Triton's public entry
+point for it) and building the host launcher of its signature (Triton 3.6 compiles one C module per
+signature, ~0.3 s each) into Triton's on-disk cache, where the in-process launch later finds both. A
+worker that succeeds leaves a marker (keyed by the Triton version, the kernel source's hash and the
+specialisation), so a later start sends only what its cache lacks to workers.
 
-The runner does this for the decode path before capture (`precompile`, waiting for the workers) and
-for prefill steps of the token counts that select different kernel configs (`record` before the
-capture, `compile_in_background` after it, not waiting: the server is ready meanwhile). Every
-recording pass must run before any kernel of the model is compiled in-process: a compiled kernel is
-launched for real, and one that reads the garbage of a skipped kernel as indices (MoE alignment after
-a skipped router) faults. Any failure here is logged
-and ignored: the kernels then compile in-process on first launch, as before; so does a process in
-which some kernel is already compiled (`fresh_process`).
+The runner records prefill forwards of the token counts that select different kernel configs, then (in
+the CUDA-graph runner) records the decode forwards of every graph size and waits for their compiles
+(`precompile`) before capturing, and last starts the prefill compiles in the background
+(`compile_in_background`: the server is ready meanwhile). Any failure here is logged and ignored: the
+kernels then compile in-process on first launch, as before.
 """
 
 from __future__ import annotations
@@ -148,6 +145,11 @@ def compile_all(specs: list[Specialisation], workers: int) -> int:
     return Compiles(specs, workers).wait()
 
 
+def uncached(specs: list[Specialisation]) -> list[Specialisation]:
+    """The specialisations that no earlier precompile left a marker for."""
+    return [s for s in specs if not os.path.exists(s.marker)]
+
+
 def compile_one(module: str, name: str, data: str, marker: str) -> None:
     """In a worker: compile one specialisation of `module.name` (a Triton JIT function, possibly wrapped)
     and its launcher into Triton's cache, then leave `marker`."""
@@ -170,7 +172,7 @@ def precompile(forwards: Iterable[Callable[[], object]], workers: int) -> Precom
     """`record` the forwards' uncompiled kernels, then `compile_all` of them (module docstring)."""
     t0 = time.perf_counter()
     specs = record(forwards)
-    missing = [s for s in specs if not os.path.exists(s.marker)]
+    missing = uncached(specs)
     t1 = time.perf_counter()
     compiled = 0
     try:
@@ -187,7 +189,7 @@ def compile_in_background(specs: list[Specialisation], workers: int) -> Compiles
     """Start compiling the recorded `specs` that the cache lacks without waiting for them (prefill kernels:
     the server is ready meanwhile; a kernel launched before its worker is done compiles in-process, as
     without precompile). `Compiles.cancel` stops what has not started."""
-    missing = [s for s in specs if not os.path.exists(s.marker)]
+    missing = uncached(specs)
     try:
         compiles = Compiles(missing, workers, niceness=10)
     except Exception as exc:
