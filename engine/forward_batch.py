@@ -76,14 +76,12 @@ class ForwardBatch:
         Costs O(batch) Python work plus C-speed copies of the token lists: a prefill of many long prompts
         packs tens of thousands of tokens per step."""
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
-        # Every host integer column in one tensor and one non-blocking copy (tensor_to_device): with
-        # overlap scheduling this runs while the previous forward is still on the GPU.
-        columns = [_int64(input_ids), _positions(prefix_lens, extend_lens, len(input_ids)), _int64(req_rows),
-                   _int64(seq_lens), _int64(extend_lens), _int64(prefix_lens), _int64(logits_indices)]
+        # Every host integer column in one non-blocking copy (columns_to_device): with overlap
+        # scheduling this runs while the previous forward is still on the GPU.
         on_host = out_cache_loc.device.type == "cpu"
-        if on_host:
-            columns.append(out_cache_loc.to(torch.int64))
-        packed = tensor_to_device(torch.cat(columns), device).split([c.numel() for c in columns])
+        packed = columns_to_device([_int64(input_ids), _positions(prefix_lens, extend_lens, len(input_ids)),
+                                    req_rows, seq_lens, extend_lens, prefix_lens, logits_indices]
+                                   + ([out_cache_loc] if on_host else []), device)
         ids, pos, rows, lens, ext, pre, logit_rows = packed[:7]
         loc = packed[7] if on_host else out_cache_loc.to(device=device, dtype=torch.int64)
         return cls(

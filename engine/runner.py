@@ -30,7 +30,7 @@ from engine.model.backends import ATTENTION_BACKENDS, MOE_BACKENDS, BackendSetup
 from engine.model.context import ForwardContext
 from engine.model.rope import RotaryEmbedding
 from engine.resolve import ResolvedModel, resolve_model
-from engine.triton_precompile import fresh_process
+from engine.triton_precompile import compile_in_background, default_workers, fresh_process, record
 from kernels import tuned_configs
 from kernels.fp8_math import WEIGHT_BLOCK
 from kernels.interpret import interpreting
@@ -126,8 +126,6 @@ class ModelRunner:
             with _timed(phases, "CUDA graphs"):
                 self.build_graph_runner(list(self.setup.graph_batch_sizes))
         if prefill_kernels:
-            from engine.triton_precompile import compile_in_background
-
             self.prefill_compiles = compile_in_background(prefill_kernels, workers)
         self._report(phases)
 
@@ -257,8 +255,6 @@ class ModelRunner:
 
     def _triton_compile_workers(self) -> int:
         """--triton-compile-workers, default: this rank's share of the CPUs (ranks of a node share them)."""
-        from engine.triton_precompile import default_workers
-
         workers = self.args.kernels.triton_compile_workers
         if workers is not None:
             return workers
@@ -269,8 +265,6 @@ class ModelRunner:
         that a kernel config or specialisation tells apart: one request of n scratch tokens each, compiled
         after the capture in the background. DP attention is left out: its eager forwards are agreed
         between the groups."""
-        from engine.triton_precompile import record
-
         sched = self.args.scheduler
         cap = min(sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else sched.max_prefill_tokens,
                   sched.max_prefill_tokens, self.max_model_len)

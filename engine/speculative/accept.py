@@ -54,9 +54,10 @@ def accept_greedy_batch(argmax: torch.Tensor, tokens: torch.Tensor, parents: tor
     of (accepted path length, bonus token, the path's node indices from the root, its last node repeated).
 
     argmax, tokens, parents (-1 at the root), depths [B, N]; live [B, N] bool; anc [B, N, S + 1]
-    (tree_table.ancestors); earlier [N, N] bool ([i, j] = i < j); is_root [B, N] bool. A node is `chosen` when it is live, carries the target's argmax at its parent and no earlier
-    sibling does (accept_greedy takes the first matching child in node order); the path is the chosen
-    nodes all of whose ancestors are chosen (the root counts as chosen), one per depth."""
+    (tree_table.ancestors); earlier [N, N] bool ([i, j] = i < j); is_root [B, N] bool. A node is `chosen`
+    when it is live, carries the target's argmax at its parent and no earlier sibling does (accept_greedy
+    takes the first matching child in node order); the path is the chosen nodes all of whose ancestors
+    are chosen (the root counts as chosen), one per depth."""
     b = tokens.shape[0]
     ok = live & (tokens == argmax.gather(1, parents.clamp(min=0))) | is_root
     shadowed = (ok[:, :, None] & (parents[:, :, None] == parents[:, None, :]) & earlier).any(1)
