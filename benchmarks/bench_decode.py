@@ -63,36 +63,46 @@ def copy_bandwidth() -> float:
     return 2 * n / statistics.median(times)
 
 
-def layer_bytes(cfg, layer: int, bs: int, ctx: int, kv_bytes: int, weight_bytes: int = 1) -> dict:
-    """Bytes one decode step must read for one layer (weight_bytes per weight: 1 for FP8, scales ignored;
-    2 for bf16)."""
+def layer_bytes(cfg, layer: int, bs: int, ctx: int, kv_bytes: int, weight_bytes: int = 1, tp: int = 1,
+                dp: int = 1) -> dict:
+    """Bytes one decode step must read for one layer on one GPU (weight_bytes per weight: 1 for FP8, scales
+    ignored; 2 for bf16). `tp` ranks split the model; with `dp` DP-attention groups each group's tp / dp
+    ranks split attention over its own share of the bs requests (the busiest group: ceil(bs / dp)), while
+    the MLP / MoE stays split over all tp ranks on every request's token. Under TP the latent KV is not
+    split: every rank of a group reads all its requests' cache. Expert parallelism (whole experts per
+    rank) reads, in expectation, the same bytes as the TP split of every expert, so it needs no term."""
     h, heads = cfg.hidden_size, cfg.num_attention_heads
+    attn_tp, group_bs = tp // dp, -(-bs // dp)
     q_lora = cfg.q_lora_rank
-    q = h * q_lora + q_lora * heads * cfg.qk_head_dim if q_lora else h * heads * cfg.qk_head_dim  # V2-Lite: no q LoRA
-    attn = (q + h * cfg.kv_cache_dim
-            + heads * cfg.kv_lora_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim) + heads * cfg.v_head_dim * h)
-    kv = bs * ctx * cfg.kv_cache_dim * kv_bytes
+    q_a = h * q_lora if q_lora else 0
+    q_b = q_lora * heads * cfg.qk_head_dim if q_lora else h * heads * cfg.qk_head_dim  # V2-Lite: no q LoRA
+    split = q_b + heads * cfg.kv_lora_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim) + heads * cfg.v_head_dim * h
+    attn = q_a + h * cfg.kv_cache_dim + split / attn_tp
+    kv = group_bs * ctx * cfg.kv_cache_dim * kv_bytes
     if cfg.is_moe_layer(layer):
         e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
         touched = e * (1 - (1 - k / e) ** bs)
         per_expert = 3 * h * cfg.moe_intermediate_size
-        mlp = (touched + cfg.n_shared_experts) * per_expert + e * h * 2  # + bf16 gate
+        mlp = (touched + cfg.n_shared_experts) * per_expert / tp + e * h * 2 / weight_bytes  # + bf16 gate
     else:
-        mlp = 3 * h * cfg.intermediate_size
+        mlp = 3 * h * cfg.intermediate_size / tp
     return {"weights": (attn + mlp) * weight_bytes, "kv": kv}
 
 
-def step_floor_s(cfg, n_layers: int, bs: int, ctx: int, kv_bytes: int, bw: float, weight_bytes: int = 1) -> float:
-    total = sum(sum(layer_bytes(cfg, i, bs, ctx, kv_bytes, weight_bytes).values()) for i in range(n_layers))
-    total += cfg.vocab_size * cfg.hidden_size * 2 + bs * cfg.hidden_size * 2  # lm_head + embedding rows
+def step_floor_s(cfg, n_layers: int, bs: int, ctx: int, kv_bytes: int, bw: float, weight_bytes: int = 1,
+                 tp: int = 1, dp: int = 1) -> float:
+    """The bytes floor of one decode step on one GPU (see `layer_bytes` for tp / dp) at copy bandwidth bw."""
+    total = sum(sum(layer_bytes(cfg, i, bs, ctx, kv_bytes, weight_bytes, tp, dp).values()) for i in range(n_layers))
+    attn_tp = tp // dp
+    total += cfg.vocab_size * cfg.hidden_size * 2 / attn_tp + -(-bs // dp) * cfg.hidden_size * 2  # lm_head, embed
     return total / bw
 
 
-def serving_floor_ms(model: str, n_layers: int, bs: int, ctx: int, bw: float) -> float:
+def serving_floor_ms(model: str, n_layers: int, bs: int, ctx: int, bw: float, tp: int = 1, dp: int = 1) -> float:
     """The bytes floor of one decode step of a served registry model (dummy weights: FP8 where the
-    checkpoint is block-FP8, else bf16; bf16 KV) at batch bs and context ctx, in ms."""
+    checkpoint is block-FP8, else bf16; bf16 KV) at batch bs and context ctx, in ms, per GPU of the layout."""
     cfg = parse_config(lookup(model).config_dict())
-    return step_floor_s(cfg, n_layers or cfg.num_hidden_layers, bs, ctx, 2, bw, 1 if cfg.fp8 else 2) * 1e3
+    return step_floor_s(cfg, n_layers or cfg.num_hidden_layers, bs, ctx, 2, bw, 1 if cfg.fp8 else 2, tp, dp) * 1e3
 
 
 def per_layer_times(args: EngineArgs, bs: int) -> list[float]:

@@ -7,18 +7,21 @@
 # Writes $OUT/<tag>-serve.log, $OUT/<tag>.jsonl (one bench record per level) and prints a table.
 #   TAG=v3 MODEL=deepseek-v3 LAYERS=5 CONCS="1 8 32 128 256 512 1024" bash benchmarks/serve_sweep.sh
 #   TAG=v3 ... TREE=.peer/before bash benchmarks/serve_sweep.sh   (the server from another checkout)
+#   TAG=v3-dp LAYOUT=tp2-dp2 bash benchmarks/serve_sweep.sh   (a parallel layout, benchmarks/layouts.py; the floor
+#   is then per GPU of that layout)
 set -u
 OUT=${OUT:-$PWD/serve-out}; TAG=${TAG:-sweep}; MODEL=${MODEL:-deepseek-v3}; LAYERS=${LAYERS:-5}
 CONCS=${CONCS:-"1 8 32 128 256 512 1024"}; IN=${IN:-1024}; OUTLEN=${OUTLEN:-256}; PORT=${PORT:-30555}
-TREE=${TREE:-.}; EXTRA=${EXTRA:-}
+TREE=${TREE:-.}; EXTRA=${EXTRA:-}; LAYOUT=${LAYOUT:-tp1}
 mkdir -p "$OUT"
+read -r -a layout_flags <<< "$(python3 benchmarks/layouts.py "$LAYOUT")" || exit 1
 layers=(); [ "$LAYERS" != full ] && layers=(--num-layers "$LAYERS")
 # copy bandwidth for the bytes floor of the table's last column, measured before the server takes the memory
 bw=$(python3 -c "import sys; sys.path.insert(0, '.'); from benchmarks.bench_decode import copy_bandwidth; print(copy_bandwidth())" 2>/dev/null || echo nan)
 start=$(date +%s.%N)
 # shellcheck disable=SC2086
 (cd "$TREE" && exec python3 -m dsctl serve --model "$MODEL" --load-format dummy "${layers[@]}" --port "$PORT" \
-    --max-model-len 4096 $EXTRA) > "$OUT/$TAG-serve.log" 2>&1 &
+    --max-model-len 4096 "${layout_flags[@]}" $EXTRA) > "$OUT/$TAG-serve.log" 2>&1 &
 pid=$!
 for _ in $(seq 300); do
     curl -sf "127.0.0.1:$PORT/health" >/dev/null && break
@@ -40,24 +43,27 @@ for c in $CONCS; do
 done
 kill -TERM $pid; wait $pid; echo "$TAG server exit $?"
 grep -E "start-up|startup|phase|weights|KV|graph" "$OUT/$TAG-serve.log" | head -12
-MAXRUN=${MAXRUN:-256}  # the server's --max-running-requests (its default)
-python3 - "$OUT/$TAG.jsonl" "$TAG" "$MODEL" "$LAYERS" "$bw" "$MAXRUN" <<'PY'
+MAXRUN=${MAXRUN:-256}  # the server's --max-running-requests (its default; per DP group)
+python3 - "$OUT/$TAG.jsonl" "$TAG" "$MODEL" "$LAYERS" "$bw" "$MAXRUN" "$LAYOUT" <<'PY'
 import json, math, sys
 sys.path.insert(0, ".")
 from benchmarks.bench_decode import serving_floor_ms
+from benchmarks.layouts import split
 rows = [json.loads(l) for l in open(sys.argv[1])]
 model, layers, bw, maxrun = sys.argv[3], (0 if sys.argv[4] == "full" else int(sys.argv[4])), float(sys.argv[5]), int(sys.argv[6])
+tp, dp = split(sys.argv[7])
+maxrun *= dp
 f = lambda r: r["flags"]
-print(f"\n{sys.argv[2]}: random {f(rows[0])['random_input_len']} in / {f(rows[0])['random_output_len']} out" if rows else "no rows")
-print(f"copy bandwidth {bw / 1e12:.2f} TB/s; floor: bytes a decode step at the running batch (min(conc, {maxrun}), "
-      "context in + out/2) must read / that bandwidth")
+print(f"\n{sys.argv[2]} ({sys.argv[7]}): random {f(rows[0])['random_input_len']} in / {f(rows[0])['random_output_len']} out" if rows else "no rows")
+print(f"copy bandwidth {bw / 1e12:.2f} TB/s; floor: bytes one GPU's decode step at the running batch "
+      f"(min(conc, {maxrun}), context in + out/2) must read / that bandwidth")
 print(f"{'conc':>5} {'ok':>5} {'fail':>4} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
       f"{'TPOT p50':>8} {'floor ms':>8} {'ITL50/floor':>11}")
 for r in rows:
     s = lambda k, q: (r.get(k) or {}).get(q, float('nan'))
     conc = f(r)['max_concurrency']
     ctx = f(r)['random_input_len'] + f(r)['random_output_len'] // 2
-    floor = serving_floor_ms(model, layers, min(conc, maxrun), ctx, bw) if not math.isnan(bw) else float('nan')
+    floor = serving_floor_ms(model, layers, min(conc, maxrun), ctx, bw, tp, dp) if not math.isnan(bw) else float('nan')
     print(f"{conc:>5} {r['completed']:>5} {r['failed']:>4} {r['output_throughput']:9.0f} "
           f"{s('ttft_ms','median'):9.1f} {s('ttft_ms','p99'):9.1f} {s('itl_ms','median'):8.2f} {s('itl_ms','p99'):8.2f} "
           f"{s('tpot_ms','median'):8.2f} {floor:8.2f} {s('itl_ms','median') / floor:11.2f}")

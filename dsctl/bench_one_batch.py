@@ -67,48 +67,83 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_batch(runner, bs: int, input_len: int, output_len: int, seed: int) -> RunTimes:
-    """One prefill of bs x input_len random tokens, then output_len - 1 greedy decode steps, timed."""
-    import torch
+def batch_share(bs: int, tp) -> tuple[int, int]:
+    """(first request, count) of a batch of bs requests that this rank's group runs: the whole batch,
+    or under DP attention its DP group's share (bs // dp each, the first bs % dp groups one more)."""
+    if tp.dp_size == 1:
+        return 0, bs
+    base, extra = divmod(bs, tp.dp_size)
+    g = tp.dp_rank
+    return g * base + min(g, extra), base + (g < extra)
 
-    from engine.forward_batch import ForwardBatch, ForwardMode
+
+def _run_batch(runner, bs: int, input_len: int, output_len: int, seed: int) -> Optional[RunTimes]:
+    """One prefill of bs x input_len random tokens, then output_len - 1 greedy decode steps, timed. Under
+    DP attention this rank's group runs its share of the batch (`batch_share`) and every step ends when
+    every group's forwards have run; None for a group with no share."""
+    import torch
 
     g = torch.Generator().manual_seed(seed + bs)
     vocab = min(runner.config.vocab_size, 32000)
-    prompts = torch.randint(0, vocab, (bs, input_len), generator=g)
-    rows = [runner.req_to_token.alloc() for _ in range(bs)]
-    slots = runner.kv_pool.alloc(bs * (input_len + output_len))
+    prompts = torch.randint(0, vocab, (bs, input_len), generator=g)  # the same on every rank
+    start, n = batch_share(bs, runner.parallel.tp)
+    if n == 0:
+        return _run_idle(runner, output_len)
+    prompts = prompts[start: start + n]
+    rows = [runner.req_to_token.alloc() for _ in range(n)]
+    slots = runner.kv_pool.alloc(n * (input_len + output_len))
     if any(r is None for r in rows) or slots is None:
         raise RuntimeError("KV pool / request table too small for this batch (raise --max-total-tokens)")
-    slots = slots.view(bs, input_len + output_len)
+    slots = slots.view(n, input_len + output_len)
     try:
-        for i, r in enumerate(rows):
-            runner.req_to_token.set(r, 0, slots[i])
-        fb = ForwardBatch.build(ForwardMode.EXTEND, prompts.flatten().tolist(), rows, [0] * bs, [input_len] * bs,
-                                slots[:, :input_len].flatten(), [(i + 1) * input_len - 1 for i in range(bs)],
-                                runner.device)
-        _sync(runner.device)
-        t0 = time.perf_counter()
-        out = runner.forward(fb)
-        next_ids = out.logits.argmax(-1)
-        _sync(runner.device)
-        prefill = time.perf_counter() - t0
-        decode_times = []
-        for step in range(output_len - 1):
-            pos = input_len + step
-            dfb = ForwardBatch.build(ForwardMode.DECODE, [0] * bs, rows, [pos] * bs, [1] * bs, slots[:, pos],
-                                     list(range(bs)), runner.device)
-            dfb.input_ids = next_ids
-            _sync(runner.device)
-            t0 = time.perf_counter()
-            next_ids = runner.forward(dfb).logits.argmax(-1)
-            _sync(runner.device)
-            decode_times.append(time.perf_counter() - t0)
+        return _timed_run(runner, prompts, rows, slots, output_len)
     finally:
         runner.kv_pool.free(slots.flatten())
         for r in rows:
             runner.req_to_token.free(r)
+
+
+def _timed_run(runner, prompts, rows: list[int], slots, output_len: int) -> RunTimes:
+    from engine.forward_batch import ForwardBatch, ForwardMode
+
+    n, input_len = prompts.shape
+    for i, r in enumerate(rows):
+        runner.req_to_token.set(r, 0, slots[i])
+    fb = ForwardBatch.build(ForwardMode.EXTEND, prompts.flatten().tolist(), rows, [0] * n, [input_len] * n,
+                            slots[:, :input_len].flatten(), [(i + 1) * input_len - 1 for i in range(n)],
+                            runner.device)
+    _sync(runner.device)
+    t0 = time.perf_counter()
+    next_ids = _step(runner, fb)
+    _sync(runner.device)
+    prefill = time.perf_counter() - t0
+    decode_times = []
+    for step in range(output_len - 1):
+        pos = input_len + step
+        dfb = ForwardBatch.build(ForwardMode.DECODE, [0] * n, rows, [pos] * n, [1] * n, slots[:, pos],
+                                 list(range(n)), runner.device)
+        dfb.input_ids = next_ids
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        next_ids = _step(runner, dfb)
+        _sync(runner.device)
+        decode_times.append(time.perf_counter() - t0)
     return RunTimes(prefill, decode_times)
+
+
+def _step(runner, fb):
+    """One forward and its greedy tokens; under DP attention, then the other groups' forwards (idle)."""
+    next_ids = runner.forward(fb).logits.argmax(-1)
+    if runner.dp_attention:
+        runner.finish_dp_iteration()
+    return next_ids
+
+
+def _run_idle(runner, output_len: int) -> None:
+    """A DP group with no share of the batch: join the other groups' prefill and decode steps idle (no
+    times: this group ran no request)."""
+    for _ in range(output_len):
+        runner.finish_dp_iteration()
 
 
 def _run_batch_spec(eng, bs: int, input_len: int, output_len: int, seed: int) -> tuple[RunTimes, float]:
@@ -194,7 +229,6 @@ def run_one_batch(args, batch_sizes: list[int], input_len: Union[int, Sequence[i
 def bench(args, batch_sizes: list[int], input_len: Union[int, Sequence[int]], output_len: Union[int, Sequence[int]],
           result_file: Optional[Path] = None, profile: Optional[Path] = None, repeats: int = 3) -> OneBatchRun:
     from engine.errors import UsageError
-    from engine.runner import ModelRunner
 
     input_lens, output_lens = _as_list(input_len), _as_list(output_len)
     if min(input_lens + output_lens + list(batch_sizes)) < 1 or repeats < 1:
@@ -206,31 +240,60 @@ def bench(args, batch_sizes: list[int], input_len: Union[int, Sequence[int]], ou
         args = args.replace(max_model_len=longest)
     args = args.replace(max_running_requests=max(args.scheduler.max_running_requests, max(batch_sizes)))
     if args.speculative.enabled:
+        if args.parallel.config().world_size > 1:
+            raise UsageError("bench one-batch with --speculative-algorithm runs one rank; for --tp > 1 measure "
+                             "speculative decoding with `dsctl bench offline` or `dsctl serve` + `bench serving`")
         return _bench_spec(args, batch_sizes, input_lens, output_lens, result_file, repeats)
     shapes = _shapes(batch_sizes, input_lens, output_lens)
-    results = []
     with _progress() as progress:
         task = progress.add_task(f"loading {args.model.model} (weights, KV pool, CUDA graphs)",
                                  total=len(shapes) * (1 + repeats))
-        runner = ModelRunner(args)
-        for bs, ilen, olen in shapes:
-            name = f"batch {bs}, in {ilen}, out {olen}"
-            progress.update(task, description=f"{name}: warm-up")
-            _run_batch(runner, bs, ilen, olen, args.model.seed)  # untimed: compiles and captures this shape
+
+        def report(text: str) -> None:
+            progress.update(task, description=text)
             progress.advance(task)
-            runs = []
-            for k in range(repeats):
-                progress.update(task, description=f"{name}: run {k + 1}/{repeats}")
-                runs.append(_run_batch(runner, bs, ilen, olen, args.model.seed + 1 + k))
-                progress.advance(task)
-            if profile is not None:
-                _profiled(runner, bs, ilen, olen, args.model.seed, profile)
-            results.append(summarize(bs, ilen, olen, runs))
-    meta = _meta(args, runner)
+
+        results, meta = _bench_shapes(args, shapes, repeats, profile, report)
     if result_file is not None:
         _write_results(result_file, meta, results)
     context = f"{meta['model']}, {meta['num_layers']} layers, {meta['device']} {meta['dtype']}"
+    if meta["layout"] != "tp1":
+        context += f", {meta['layout']}"
     return OneBatchRun(results, context)
+
+
+def _bench_shapes(args, shapes, repeats, profile, report) -> tuple[list[OneBatchResult], dict]:
+    """Every shape timed in this process (one rank), or over this node's ranks (--tp > 1)."""
+    from engine.ranked import check_launch, launch_args
+    from engine.runner import ModelRunner
+
+    args = launch_args(args)
+    if args.parallel.config().world_size > 1:
+        from dsctl.bench_one_batch_ranks import bench_ranked
+
+        check_launch(args)
+        return bench_ranked(args, shapes, repeats, profile, report)
+    runner = ModelRunner(args)
+    return time_shapes(runner, shapes, repeats, args.model.seed, report, profile), meta_of(args, runner)
+
+
+def time_shapes(runner, shapes, repeats: int, seed: int, report, profile: Optional[Path] = None) -> list:
+    """For each (batch size, input, output) shape: one untimed warm-up run, then `repeats` timed runs (and,
+    with `profile`, one traced run); `report(text)` after each warm-up or timed run."""
+    results = []
+    for bs, ilen, olen in shapes:
+        name = f"batch {bs}, in {ilen}, out {olen}"
+        _run_batch(runner, bs, ilen, olen, seed)  # untimed: compiles and captures this shape
+        report(f"{name}: warmed up")
+        runs = []
+        for k in range(repeats):
+            runs.append(_run_batch(runner, bs, ilen, olen, seed + 1 + k))
+            report(f"{name}: run {k + 1}/{repeats}")
+        if profile is not None:
+            _profiled(runner, bs, ilen, olen, seed, profile)
+        if runs[0] is not None:  # (a DP group with no share of this batch has no times)
+            results.append(summarize(bs, ilen, olen, runs))
+    return results
 
 
 def _bench_spec(args, batch_sizes, input_lens, output_lens, result_file, repeats) -> OneBatchRun:
@@ -253,7 +316,7 @@ def _bench_spec(args, batch_sizes, input_lens, output_lens, result_file, repeats
             progress.advance(task, repeats)
             results.append(summarize(bs, ilen, olen, [r for r, _ in runs],
                                      statistics.mean(a for _, a in runs)))
-    meta = _meta(args, eng.runner)
+    meta = meta_of(args, eng.runner)
     if result_file is not None:
         _write_results(result_file, meta, results)
     accept = ", ".join(f"{r.accept_length:.2f}" for r in results)
@@ -263,9 +326,18 @@ def _bench_spec(args, batch_sizes, input_lens, output_lens, result_file, repeats
     return OneBatchRun(results, context)
 
 
-def _meta(args, runner) -> dict:
+def meta_of(args, runner) -> dict:
+    """What the result lines and the table title say of the run: model, depth, device, dtype, layout."""
     return {"model": args.model.model, "load_format": args.model.load_format, "num_layers": runner.num_layers,
-            "device": str(runner.device), "dtype": str(runner.dtype).replace("torch.", "")}
+            "device": str(runner.device), "dtype": str(runner.dtype).replace("torch.", ""),
+            "layout": layout_name(runner.parallel.tp)}
+
+
+def layout_name(tp) -> str:
+    """"tp2", "tp2 dp2", "tp2 ep2": the parallel layout of a run, as the tables name it."""
+    parts = [f"tp{tp.size}"] + ([f"dp{tp.dp_size}"] if tp.dp_size > 1 else []) + \
+        ([f"ep{tp.ep_size}"] if tp.ep_size > 1 else [])
+    return " ".join(parts)
 
 
 def _write_results(result_file: Path, meta: dict, results: list[OneBatchResult]) -> None:
@@ -282,5 +354,7 @@ def _profiled(runner, bs, input_len, output_len, seed, profile: Path) -> None:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
         _run_batch(runner, bs, input_len, output_len, seed)
-    path = profile.with_name(f"{profile.stem}-bs{bs}-in{input_len}-out{output_len}{profile.suffix or '.json'}")
+    tp = runner.parallel.tp
+    rank = f"-rank{tp.rank}" if tp.size > 1 else ""  # every rank traces its own run
+    path = profile.with_name(f"{profile.stem}{rank}-bs{bs}-in{input_len}-out{output_len}{profile.suffix or '.json'}")
     prof.export_chrome_trace(str(path))

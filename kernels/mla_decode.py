@@ -322,6 +322,9 @@ def default_config(num_q_rows_per_req: int, kv_dtype: torch.dtype) -> DecodeConf
     """
     rows = num_q_rows_per_req
     fp8 = kv_dtype.itemsize == 1
+    if kv_dtype.itemsize >= 4:  # fp32 caches: the 16-bit tiles would need 290-330 KB of shared memory (227 KB)
+        return DecodeConfig(block_h=16 if rows <= 16 else 32, block_n=32 if rows <= 16 else 16, num_warps=4,
+                            num_stages=2, min_split_tokens=256 if rows <= 32 else 128)
     if rows <= 32:  # 16 heads (TP 8), also with 2 draft tokens: one program per request's rows
         return DecodeConfig(block_h=16 if rows <= 16 else 32, block_n=64, num_warps=8, num_stages=3,
                             kv_load="split" if fp8 else "tile", fp16_math=fp8, min_split_tokens=256)

@@ -42,10 +42,14 @@ class ExtendConfig:
     mask_diag_only: bool = True  # causal mask only on the diagonal tiles (a separate loop before them)
 
 
-def default_config(dqk: int, dv: int, device: torch.device) -> ExtendConfig:
-    """Launch parameters tuned on H100 (see docs/perf.md); any of them is correct everywhere."""
+def default_config(dqk: int, dv: int, device: torch.device, itemsize: int = 2) -> ExtendConfig:
+    """Launch parameters tuned on H100 (see docs/perf.md); any of them is correct everywhere. 4-byte (fp32)
+    operands take smaller tiles: the 16-bit tiles need 336 KB of shared memory at DeepSeek's 192 / 128 head
+    dims (an H100 / H200 has 227 KB), these 128 KB (tests/kernels/test_shared_memory.py)."""
     if device.type != "cuda":
         return ExtendConfig(block_m=16, block_n=16)
+    if itemsize >= 4:
+        return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
@@ -187,7 +191,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prefix
     cu_pre = torch.cat((zero, torch.cumsum(prefix_lens, 0).to(torch.int32)))
     if max_extend_len is None:
         max_extend_len = int(extend_lens.max())
-    cfg = config or default_config(dqk, dv, q.device)
+    cfg = config or default_config(dqk, dv, q.device, q.element_size())
     d1, d2 = _split_dim(dqk)
     if k_prefix.shape[0] == 0:  # keep valid pointers for an empty prefix
         k_prefix, v_prefix = k, v

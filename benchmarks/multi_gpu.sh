@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The multi-GPU runs of one node (issue 19 on 2 GPUs), by stage; each stage prints a short table.
+#   STAGES="topo collectives check" bash benchmarks/multi_gpu.sh
+#   STAGES="onebatch serve" LAYOUTS="tp1 tp2 tp2-dp2 tp2-ep2" bash benchmarks/multi_gpu.sh
+# Stages:
+#   topo         GPUs, their links (nvidia-smi topo -m) and the NCCL variables in force
+#   collectives  all-reduce / all-gather at hidden 7168, T = 1..4096, vs the link's bus bandwidth
+#   check        V2-Lite (27 layers, dummy bf16): greedy tokens of every layout vs tp1, CUDA graphs off and on
+#   compile      the same with CUDA graphs + torch.compile, at COMPILE_LAYERS layers (compile time grows with depth)
+#   v3fit        DeepSeek-V3 dummy FP8 at the deepest truncation every tp>1 layout holds: runs, tokens vs tp2
+#   onebatch     dsctl bench one-batch, V3 5 layers dummy FP8, batch 1 / 32 / 128, per layout, vs the bytes floor
+#   serve        dsctl serve + dsctl bench serving (exact 1024 in / 256 out) at CONCS, per layout
+# Logs and JSONL land in $OUT (default ./multi-gpu-out); the stage tables go to stdout.
+# The GPU image lacks the server's packages: `SITE=.whl/site TARGET_PY=3.12 bash benchmarks/mixed_itl.sh --bundle`
+# here, carry .whl/site; this script puts it on PYTHONPATH when it exists.
+set -u
+[ -d .whl/site ] && export PYTHONPATH="$PWD/.whl/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-$PWD/multi-gpu-out}; mkdir -p "$OUT"
+STAGES=${STAGES:-"topo collectives check compile v3fit onebatch serve"}
+LAYOUTS=${LAYOUTS:-"tp1 tp2 tp2-dp2 tp2-ep2"}
+NGPU=${NGPU:-2}; CONCS=${CONCS:-"1 64 256"}; COMPILE_LAYERS=${COMPILE_LAYERS:-2}
+export PYTHONUNBUFFERED=1
+comma() { echo "$*" | tr ' ' ','; }
+parallel_layouts() { for l in $LAYOUTS; do [ "$l" != tp1 ] && echo -n "$l "; done; }
+
+stage_topo() {
+    nvidia-smi -L; nvidia-smi topo -m
+    env | grep -E '^(NCCL|TORCH_SYMM|NVSHMEM)' | sort
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
+}
+
+stage_collectives() {
+    python3 benchmarks/bench_collectives.py --tp "$NGPU" --result-file "$OUT/collectives.jsonl"
+}
+
+stage_check() {
+    python3 benchmarks/multi_gpu_check.py --model deepseek-v2-lite --layouts "$(comma $LAYOUTS)" --modes eager,graph \
+        --result-file "$OUT/check-v2lite.jsonl" 2> "$OUT/check-v2lite.log"
+}
+
+stage_compile() {
+    python3 benchmarks/multi_gpu_check.py --model deepseek-v2-lite --num-layers "$COMPILE_LAYERS" \
+        --layouts "$(comma $LAYOUTS)" --modes eager,graph+compile --result-file "$OUT/check-compile.jsonl" \
+        2> "$OUT/check-compile.log"
+}
+
+stage_v3fit() {
+    python3 benchmarks/multi_gpu_check.py --model deepseek-v3 --num-layers fit --layouts "$(comma $(parallel_layouts))" \
+        --modes graph --prompts 8 --max-new-tokens 16 --result-file "$OUT/check-v3fit.jsonl" 2> "$OUT/check-v3fit.log"
+}
+
+stage_onebatch() {
+    local bw
+    bw=$(python3 -c "import sys; sys.path.insert(0, '.'); from benchmarks.bench_decode import copy_bandwidth; print(copy_bandwidth())")
+    for l in $LAYOUTS; do
+        read -r -a lf <<< "$(python3 benchmarks/layouts.py "$l")"
+        timeout 300 python3 -m dsctl bench one-batch --model deepseek-v3 --load-format dummy --num-layers 5 \
+            --batch-size 1 32 128 --input-len 512 --output-len 32 --cuda-graph-bs 1,32,128 "${lf[@]}" \
+            --result-file "$OUT/onebatch.jsonl" > "$OUT/onebatch-$l.log" 2>&1 || { echo "onebatch $l failed:"; tail -5 "$OUT/onebatch-$l.log"; }
+    done
+    python3 benchmarks/multi_gpu_tables.py onebatch "$OUT/onebatch.jsonl" "$bw"
+}
+
+stage_serve() {
+    for l in $LAYOUTS; do
+        TAG="v3-$l" LAYOUT="$l" CONCS="$CONCS" OUT="$OUT" PORT=30555 \
+            EXTRA="--cuda-graph-bs 1,2,4,8,16,32,48,64,96,128,192,256" \
+            timeout 420 bash benchmarks/serve_sweep.sh > "$OUT/serve-$l.txt" 2>&1 || echo "serve $l: exit $?"
+        grep -E "^v3-$l c=|healthy|not healthy|server exit" "$OUT/serve-$l.txt"
+    done
+    python3 benchmarks/multi_gpu_tables.py serve "$OUT" $LAYOUTS
+}
+
+for s in $STAGES; do
+    echo "=== $s ($(date +%T))"
+    t0=$(date +%s)
+    "stage_$s" 2>&1 | tee "$OUT/stage-$s.txt"
+    echo "=== $s done in $(( $(date +%s) - t0 )) s"
+done
