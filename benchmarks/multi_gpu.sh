@@ -6,6 +6,7 @@
 #   topo         GPUs, their links (nvidia-smi topo -m) and the NCCL variables in force
 #   collectives  all-reduce / all-gather at hidden 7168, T = 1..4096, vs the link's bus bandwidth
 #   check        V2-Lite (27 layers, dummy bf16): greedy tokens of every layout vs tp1, CUDA graphs off and on
+#   fp32         the same in float32 (tf32 dots): log-probs agree closely, so tokens should match tp1's
 #   compile      the same with CUDA graphs + torch.compile, at COMPILE_LAYERS layers (compile time grows with depth)
 #   v3fit        DeepSeek-V3 dummy FP8 at the deepest truncation every tp>1 layout holds: runs, tokens vs tp2
 #   onebatch     dsctl bench one-batch, V3 5 layers dummy FP8, batch 1 / 32 / 128, per layout, vs the bytes floor
@@ -16,7 +17,7 @@
 set -u
 [ -d .whl/site ] && export PYTHONPATH="$PWD/.whl/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-$PWD/multi-gpu-out}; mkdir -p "$OUT"
-STAGES=${STAGES:-"topo collectives check compile v3fit onebatch serve"}
+STAGES=${STAGES:-"topo collectives check fp32 compile v3fit onebatch serve"}
 LAYOUTS=${LAYOUTS:-"tp1 tp2 tp2-dp2 tp2-ep2"}
 NGPU=${NGPU:-2}; CONCS=${CONCS:-"1 64 256"}; COMPILE_LAYERS=${COMPILE_LAYERS:-2}
 export PYTHONUNBUFFERED=1
@@ -36,6 +37,11 @@ stage_collectives() {
 stage_check() {
     python3 benchmarks/multi_gpu_check.py --model deepseek-v2-lite --layouts "$(comma $LAYOUTS)" --modes eager,graph \
         --result-file "$OUT/check-v2lite.jsonl" 2> "$OUT/check-v2lite.log"
+}
+
+stage_fp32() {
+    python3 benchmarks/multi_gpu_check.py --model deepseek-v2-lite --dtype float32 --layouts "$(comma $LAYOUTS)" \
+        --modes eager,graph --tie-gap 0.02 --result-file "$OUT/check-fp32.jsonl" 2> "$OUT/check-fp32.log"
 }
 
 stage_compile() {

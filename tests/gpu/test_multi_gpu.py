@@ -1,0 +1,56 @@
+"""Two or more GPUs: every parallel layout (TP, DP attention, EP) through NCCL and CUDA graphs gives the
+greedy tokens of one GPU, in float32 (skipped below 2 GPUs).
+
+DeepSeek-V2-Lite truncated to 4 layers, dummy float32 weights (each rank holds its slice of the TP-1
+values), 8 prompts in one batch, each layout in its own rank processes (benchmarks/multi_gpu_check.py).
+In bf16 a different split reorders sums enough to flip tokens where these flat random-weight
+distributions are nearly tied (docs/perf.md, "Two GPUs"); in float32 (tf32 dots in the Triton kernels)
+the log-probs must agree closely and any divergence must be a tie. A wrong shard moves log-probs by
+tenths to whole nats.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                reason="needs 2 CUDA GPUs")
+
+TIE_GAP = 0.02  # nats: the reference's own gap at a divergence that counts as a rounding tie
+LOGPROB_ATOL = 0.02  # chosen tokens' log-probs before any divergence
+
+
+@pytest.fixture(scope="module")
+def check():
+    from benchmarks import multi_gpu_check
+
+    return multi_gpu_check
+
+
+@pytest.fixture(scope="module")
+def base(check):
+    from engine.config import parse_config
+    from engine.models import lookup
+
+    vocab = parse_config(lookup("deepseek-v2-lite").config_dict()).vocab_size
+    flags = dict(model="deepseek-v2-lite", load_format="dummy", device="cuda", dtype="float32",
+                 max_model_len=512, num_layers=4)
+    return flags, check.prompts(vocab, 8)
+
+
+@pytest.fixture(scope="module")
+def reference(check, base):
+    flags, ids = base
+    return check.run_layout(flags, "tp1", "eager", ids, 16)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2-dp2", "tp2-ep2"])
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_layout_matches_one_gpu(check, base, reference, layout, mode):
+    flags, ids = base
+    run = check.run_layout(flags, layout, mode, ids, 16)
+    assert not reference.failed and not run.failed, (reference.failed, run.failed)
+    c = check.compare(reference, run)
+    assert c.max_dlogprob < LOGPROB_ATOL, c
+    assert check.verdict(run, c, TIE_GAP), c
