@@ -7,6 +7,8 @@ request, then decodes `output_len - 1` steps greedily, timing each forward with 
 device sync. Reports medians with their spread (prefill min-max over repeats,
 decode p10-p90 over every step), as a rich table that fits the terminal and as
 JSON lines. `--profile` writes a torch profiler trace of one extra run per shape.
+With --tp N (and DP attention or EP) the same runs go over N rank processes in lockstep
+(dsctl/bench_one_batch_ranks.py; under DP attention each DP group runs its share of the batch).
 With --speculative-algorithm the batch runs through the scheduler instead (the spec step lives
 there): one prefill step, then spec steps; decode tok/s counts every token a step emits, and the
 title gives the mean accepted length (tokens per request per step).
