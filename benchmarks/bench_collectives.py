@@ -157,6 +157,7 @@ def print_table(run: dict, hidden: int) -> None:
 def main(argv=None) -> dict:
     import multiprocessing as mp
 
+    from dsctl.bench_one_batch_ranks import BenchRankError, next_message, wait_exit
     from engine.distributed.launch import start_ranks, with_local_init_addr
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -173,16 +174,13 @@ def main(argv=None) -> dict:
             "iters": a.iters, "graph_calls": a.graph_calls, "peak_mib": a.peak_mib}
     pc = with_local_init_addr(ParallelConfig(tp_size=a.tp))
     recv, send = mp.get_context("spawn").Pipe(duplex=False)
-    with start_ranks(rank_main, a.tp, (pc, opts, send)) as ranks:
-        send.close()
-        while not recv.poll(0.5):
-            failure = ranks.poll()
-            if failure is not None:
-                raise SystemExit(f"bench_collectives: {failure.message()}")
-        run = recv.recv()
-        failure = ranks.wait(timeout=60)
-    if failure is not None:
-        raise SystemExit(f"bench_collectives: {failure.message()}")
+    try:
+        with start_ranks(rank_main, a.tp, (pc, opts, send)) as ranks:
+            send.close()
+            run = next_message(ranks, recv, "bench_collectives")
+            wait_exit(ranks, "bench_collectives")
+    except BenchRankError as exc:
+        raise SystemExit(str(exc)) from None
     print_table(run, a.hidden)
     if a.result_file:
         with open(a.result_file, "a") as f:

@@ -9,6 +9,9 @@ With DP attention the batch is spread over the DP groups (`batch_share`: bs // d
 first bs % dp groups one more), as a DP-attention server spreads requests; a group with none joins
 the others' forwards idle. Rank 0 always holds a share, and each timed step ends when every group's
 forward has (the forwards are collective), so its times are the layout's step times.
+
+`next_message` / `wait_exit` (rank 0's next message while the supervisor watches every rank; the ranks'
+exit) serve any benchmark that runs its own rank target, e.g. benchmarks/bench_collectives.py.
 """
 
 from __future__ import annotations
@@ -66,33 +69,38 @@ def bench_ranked(args: EngineArgs, shapes: list, repeats: int, profile: Optional
     recv, send = mp.get_context("spawn").Pipe(duplex=False)
     with start_ranks(rank_main, pc.ranks_per_node, (args, shapes, repeats, profile, send)) as ranks:
         send.close()
-        while True:
-            msg = _next_message(ranks, recv)
-            if msg[0] == "done":
-                break
+        while (msg := next_message(ranks, recv, "bench one-batch"))[0] != "done":
             on_progress(msg[1])
-        try:
-            failure = ranks.wait(timeout=EXIT_S)
-        except TimeoutError:
-            failure = None  # the figures are in; leaving the world hung: the supervisor's exit stops them
-    if failure is not None:
-        raise BenchRankError(f"bench one-batch: {failure.message()}")
+        wait_exit(ranks, "bench one-batch")
     return msg[1], msg[2]
 
 
-def _next_message(ranks, recv):
-    """The next message from world rank 0; BenchRankError when a rank failed (or rank 0 ended silently)."""
+def next_message(ranks, recv, what: str):
+    """The next message world rank 0 sends through `recv` while `ranks` (a RankSupervisor) run; BenchRankError
+    naming `what` when a rank failed or rank 0 closed its pipe without sending."""
     while True:
         failure = ranks.poll()
         if failure is not None:
-            raise BenchRankError(f"bench one-batch: {failure.message()}")
+            raise BenchRankError(f"{what}: {failure.message()}")
         try:
             if recv.poll(POLL_S):
                 return recv.recv()
         except (EOFError, OSError):
-            try:
-                failure = ranks.wait(timeout=EXIT_S)
-            except TimeoutError:
-                failure = None
+            failure = _wait(ranks)
             reason = failure.message() if failure is not None else "rank 0 closed its pipe without results"
-            raise BenchRankError(f"bench one-batch: {reason}") from None
+            raise BenchRankError(f"{what}: {reason}") from None
+
+
+def wait_exit(ranks, what: str) -> None:
+    """After the last message: let the ranks leave the world (EXIT_S), BenchRankError if one failed. Ranks still
+    there after that are stopped by the supervisor's exit: the figures are already in."""
+    failure = _wait(ranks)
+    if failure is not None:
+        raise BenchRankError(f"{what}: {failure.message()}")
+
+
+def _wait(ranks):
+    try:
+        return ranks.wait(timeout=EXIT_S)
+    except TimeoutError:
+        return None
