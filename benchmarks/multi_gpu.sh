@@ -7,7 +7,7 @@
 #   collectives  all-reduce / all-gather at hidden 7168, T = 1..4096, vs the link's bus bandwidth
 #   check        V2-Lite (27 layers, dummy bf16): greedy tokens of every layout vs tp1, CUDA graphs off and on
 #   fp32         the same in float32 (tf32 dots): log-probs agree closely, so tokens should match tp1's
-#   compile      the same with CUDA graphs + torch.compile, at COMPILE_LAYERS layers (compile time grows with depth)
+#   compile      CUDA graphs + torch.compile, every layout vs tp1 eager, at COMPILE_LAYERS layers (compile time grows with depth)
 #   v3fit        DeepSeek-V3 dummy FP8 at the deepest truncation every tp>1 layout holds: runs, tokens vs tp2
 #   onebatch     dsctl bench one-batch, V3 5 layers dummy FP8, batch 1 / 32 / 128, per layout, vs the bytes floor
 #   serve        dsctl serve + dsctl bench serving (exact 1024 in / 256 out) at CONCS, per layout
@@ -20,6 +20,7 @@ OUT=${OUT:-$PWD/multi-gpu-out}; mkdir -p "$OUT"
 STAGES=${STAGES:-"topo collectives check fp32 compile v3fit onebatch serve"}
 LAYOUTS=${LAYOUTS:-"tp1 tp2 tp2-dp2 tp2-ep2"}
 NGPU=${NGPU:-2}; CONCS=${CONCS:-"1 64 256"}; COMPILE_LAYERS=${COMPILE_LAYERS:-2}
+COMPILE_MAX_BS=${COMPILE_MAX_BS:-16}  # graph sizes compiled (1,4,16 captured); each costs its own compile
 export PYTHONUNBUFFERED=1
 comma() { echo "$*" | tr ' ' ','; }
 parallel_layouts() { for l in $LAYOUTS; do [ "$l" != tp1 ] && echo -n "$l "; done; }
@@ -44,10 +45,13 @@ stage_fp32() {
         --modes eager,graph --tie-gap 0.02 --result-file "$OUT/check-fp32.jsonl" 2> "$OUT/check-fp32.log"
 }
 
-stage_compile() {
-    python3 benchmarks/multi_gpu_check.py --model deepseek-v2-lite --num-layers "$COMPILE_LAYERS" \
-        --layouts "$(comma $LAYOUTS)" --modes eager,graph+compile --result-file "$OUT/check-compile.jsonl" \
-        2> "$OUT/check-compile.log"
+stage_compile() {  # reference: tp1 eager; then every layout with graphs + compile (eager rows are in `check`)
+    local f="$OUT/check-compile.jsonl" common=(--model deepseek-v2-lite --num-layers "$COMPILE_LAYERS" --result-file)
+    rm -f "$f"
+    python3 benchmarks/multi_gpu_check.py "${common[@]}" "$f" --layouts tp1 --modes eager 2> "$OUT/check-compile.log" &&
+    python3 benchmarks/multi_gpu_check.py "${common[@]}" "$f" --layouts "$(comma $LAYOUTS)" --modes graph+compile \
+        --compile-max-bs "$COMPILE_MAX_BS" 2>> "$OUT/check-compile.log" > /dev/null
+    python3 benchmarks/multi_gpu_check.py --from-jsonl "$f"
 }
 
 stage_v3fit() {

@@ -41,14 +41,16 @@ MODES = ("eager", "graph", "graph+compile")
 GRAPH_SIZES = "1,4,16"  # captured (and compiled) decode sizes: the shrinking batch pads to each
 
 
-def mode_flags(mode: str) -> dict:
+def mode_flags(mode: str, compile_max_bs: int = 16) -> dict:
+    """Engine flags of a mode; graph+compile compiles the graph sizes up to compile_max_bs (each size is
+    compiled on its own: the compile time is per size)."""
     if mode == "eager":
         return dict(disable_cuda_graph=True)
     graphs = dict(cuda_graph_bs=GRAPH_SIZES)
     if mode == "graph":
         return graphs
     if mode == "graph+compile":
-        return dict(graphs, enable_torch_compile=True, torch_compile_max_bs=max(map(int, GRAPH_SIZES.split(","))))
+        return dict(graphs, enable_torch_compile=True, torch_compile_max_bs=compile_max_bs)
     raise SystemExit(f"unknown mode {mode!r} (use {', '.join(MODES)})")
 
 
@@ -81,12 +83,12 @@ class Run:
     failed: list = field(default_factory=list)  # error messages of requests that did not produce every token
 
 
-def run_layout(base: dict, layout: str, mode: str, ids: list, max_new: int) -> Run:
+def run_layout(base: dict, layout: str, mode: str, ids: list, max_new: int, compile_max_bs: int = 16) -> Run:
     from engine.args import EngineArgs
     from engine.ranked import RankedEngine
     from engine.sampling import SamplingParams
 
-    args = EngineArgs.of(**base, **engine_flags(layout), **mode_flags(mode))
+    args = EngineArgs.of(**base, **engine_flags(layout), **mode_flags(mode, compile_max_bs))
     params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=5)
               for n in new_tokens(len(ids), max_new)]
     t0 = time.perf_counter()
@@ -216,6 +218,8 @@ def main(argv=None) -> int:
                    help="largest reference log-prob gap at which a divergence counts as a rounding tie")
     p.add_argument("--engine-flag", action="append", default=[], metavar="NAME=VALUE",
                    help="another engine flag for every run (field name, e.g. attention_backend=torch)")
+    p.add_argument("--compile-max-bs", type=int, default=16,
+                   help="graph+compile: compile the graph sizes up to this (default: all of " + GRAPH_SIZES + ")")
     p.add_argument("--result-file", default=None)
     p.add_argument("--from-jsonl", default=None, metavar="FILE",
                    help="no runs: print the table of the runs stored in FILE (a --result-file), first run = reference")
@@ -240,7 +244,7 @@ def main(argv=None) -> int:
     runs = []
     for mode in modes:
         for layout in layouts:
-            run = run_layout(base, layout, mode, ids, a.max_new_tokens)
+            run = run_layout(base, layout, mode, ids, a.max_new_tokens, a.compile_max_bs)
             print(f"{layout} {mode}: {run.seconds:.1f} s" + (f", {len(run.failed)} request(s) failed" if run.failed
                                                               else ""), flush=True)
             runs.append(run)

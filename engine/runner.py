@@ -136,7 +136,7 @@ class ModelRunner:
         modules = {"": self.model, **({"mtp.": self.mtp} if self.mtp is not None else {})}
         unique = {p.data_ptr(): p for _, p in iter_params(modules)}  # the MTP layer may share embed / head
         weights = sum(p.numel() * p.element_size() for p in unique.values())
-        kv = self.kv_pool.buffer.numel() * self.kv_pool.buffer.element_size()
+        kv = self.kv_pool.nbytes()
         log.info("rank %d: weights %.2f GB, KV pool %d tokens (%.2f GB); start-up %s", self.parallel.world_rank,
                  weights / 1e9, self.kv_pool.size, kv / 1e9,
                  ", ".join(f"{name} {secs:.1f} s" for name, secs in phases.items()))

@@ -6,6 +6,12 @@ key). With --disable-mla (no weight absorption) a row is every local head's expa
 key and value, laid out [heads, qk_head_dim + v_head_dim] (`kv_row_dim`; under TP only
 this rank's heads). Slot 0 is a scratch slot that padded tokens write to; real tokens
 get slots 1..size. `ReqToTokenPool` maps (request row, position) -> slot.
+
+Each layer's cache is its own tensor, not a slice of one [layers, slots, dim] tensor: under
+torch.compile a write into a slice (a view of a graph input) is functionalised into a copy of the
+whole slice, scatter, copy back, i.e. two passes over the layer's cache per step (and an
+allocation of its size: an OOM when the pool has the memory), where a write into a graph input
+itself stays in place (tests/engine/test_kv_pool_compile.py).
 """
 
 from __future__ import annotations
@@ -31,12 +37,16 @@ class KVPool:
                  scale: float = 1.0):
         self.size, self.dim, self.dtype = size, dim, dtype
         self.scale = scale  # dequantised value = stored * scale (FP8 caches)
-        self.buffer = torch.zeros(num_layers, size + 1, dim, dtype=dtype, device=device)
+        self.device = torch.device(device)
+        self.buffer = [torch.zeros(size + 1, dim, dtype=dtype, device=device) for _ in range(num_layers)]
         # Host-side free list: `alloc` takes from the head; freed slots queue behind it in `_freed`
         # and join the head only when it runs short, so a free costs O(freed), not O(pool).
         self._free = torch.arange(1, size + 1, dtype=torch.int64)
         self._freed: list[torch.Tensor] = []
         self._num_freed = 0
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffer)
 
     def available(self) -> int:
         return int(self._free.numel()) + self._num_freed
@@ -111,6 +121,9 @@ class ReqToTokenPool:
         first = self.padding_row + 1
         self.table[first:first + r, :w] = lists
         return torch.arange(first, first + r, dtype=torch.int64, device=self.table.device)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffer)
 
     def available(self) -> int:
         return len(self._free_rows)

@@ -163,7 +163,7 @@ class TritonAttentionBackend:
     def _prefix_kv(self, layer: MLA, slots: Optional[torch.Tensor], ctx: ForwardContext, dtype):
         h, dqk = layer.num_heads, layer.nope + layer.rope_dim
         if slots is None:
-            empty = torch.empty(0, h, dqk, dtype=dtype, device=ctx.kv_pool.buffer.device)
+            empty = torch.empty(0, h, dqk, dtype=dtype, device=ctx.kv_pool.device)
             return empty, empty[..., : layer.v_dim]
         cached = ctx.kv_pool.read(layer.layer_id, slots, dtype)
         k_nope, v = layer.expand_latent(cached[:, : layer.kv_lora_rank])

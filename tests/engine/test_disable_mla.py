@@ -41,7 +41,7 @@ def test_expanded_pool_holds_every_local_heads_k_and_v():
     eng = Engine(model="tiny", device="cpu", dtype="float32", disable_mla=True, max_total_tokens=300)
     cfg, pool = eng.runner.config, eng.runner.kv_pool
     assert pool.dim == cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) != cfg.kv_cache_dim
-    assert pool.buffer.shape[1] == 301 and pool.size == 300
+    assert pool.buffer[0].shape[0] == 301 and pool.size == 300
     assert type(eng.runner.forward_ctx.attn_backend).__name__ == "TorchExpandedAttention"
 
 

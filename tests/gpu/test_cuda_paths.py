@@ -92,7 +92,7 @@ def test_fp8_w8a8_close_to_dequantised_reference():
 def test_fp8_kv_cache_close_to_bf16_kv(kv_dtype):
     ref, lp_r, _ = _greedy(dtype="bfloat16")
     got, lp_f, eng = _greedy(dtype="bfloat16", kv_cache_dtype=kv_dtype)
-    assert eng.runner.kv_pool.buffer.dtype == {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_dtype]
+    assert eng.runner.kv_pool.dtype == {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_dtype]
     diffs, agreed = [], 0
     for rt, gt, rl, gl in zip(ref, got, lp_r, lp_f):
         n = next((i for i, (a, b) in enumerate(zip(rt, gt)) if a != b), len(rt))

@@ -32,9 +32,9 @@ class FailingRunner:
     def forward(self, fb: ForwardBatch):
         if self.when(fb):
             self.failures += 1
-            buf = self.runner.kv_pool.buffer
-            loc = fb.out_cache_loc.to(buf.device)
-            buf[:, loc] = torch.randn(buf.shape[0], loc.numel(), buf.shape[2]).to(buf.dtype)
+            for buf in self.runner.kv_pool.buffer:
+                loc = fb.out_cache_loc.to(buf.device)
+                buf[loc] = torch.randn(loc.numel(), buf.shape[1]).to(buf.dtype)
             raise InjectedFailure(f"injected failure #{self.failures} ({fb.mode.value}, {fb.batch_size} requests)")
         return self.runner.forward(fb)
 
