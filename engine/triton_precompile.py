@@ -29,6 +29,7 @@ import importlib
 import logging
 import multiprocessing
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -105,16 +106,15 @@ def record(forwards: Iterable[Callable[[], object]]) -> list[Specialisation]:
 
 
 class Compiles:
-    """Specialisations being compiled by a pool of spawned worker processes (into Triton's cache)."""
+    """Specialisations being compiled by a pool of spawned worker processes (into Triton's cache), for a
+    caller that waits for them (`wait`)."""
 
-    def __init__(self, specs: list[Specialisation], workers: int, niceness: int = 0):
-        """niceness: added to the workers' scheduling priority (background compiles yield the CPUs to serving)."""
+    def __init__(self, specs: list[Specialisation], workers: int):
         self.pool = None
         self.futures: dict[cf.Future, Specialisation] = {}
         if specs:
             ctx = multiprocessing.get_context("spawn")
-            self.pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(specs)), mp_context=ctx,
-                                               initializer=os.nice, initargs=(niceness,))
+            self.pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(specs)), mp_context=ctx)
             self.futures = {self.pool.submit(compile_one, s.module, s.name, s.data, s.marker): s for s in specs}
 
     def wait(self) -> int:
@@ -122,22 +122,66 @@ class Compiles:
         compiles in-process on its first launch, as without precompile)."""
         done = 0
         for fut in cf.as_completed(self.futures):
-            if fut.cancelled():
-                continue
             try:
                 fut.result()
                 done += 1
             except Exception as exc:
                 log.warning("Triton precompile of %s failed (%s: %s); it compiles at capture instead",
                             self.futures[fut].name, type(exc).__name__, exc)
-        self.cancel()
+        if self.pool is not None:
+            self.pool.shutdown()  # every compile has ended: the workers exit now
+            self.pool = None
         return done
 
+
+class BackgroundCompiles:
+    """Specialisations compiled by daemonic spawned workers while the engine serves (each worker takes
+    every n-th one, at a lower scheduling priority); `cancel` stops them at once.
+
+    A compile in progress is abandoned (Triton's cache writes each file whole, by rename, and the marker
+    comes last). Not a ProcessPoolExecutor: a process that ends while one of its workers compiles waits for
+    it at exit (its workers are joined, not daemonic); with Python 3.12 a process whose worker had 10 s of
+    compile left had not ended 100 s later. The serving engine's ranks outlived their shutdown that way
+    (killed after 30 s on the GPU); tests/engine/test_triton_precompile.py times the exit with these workers."""
+
+    def __init__(self, specs: list[Specialisation], workers: int, niceness: int = 10, job=None):
+        """job(module, name, data, marker): what compiles one (default `compile_one`; tests pass their own)."""
+        ctx = multiprocessing.get_context("spawn")
+        self.specs, n = specs, min(workers, len(specs))
+        self.workers = [ctx.Process(target=_compile_share, args=(specs[i::n], niceness, job or compile_one),
+                                    name=f"triton-precompile-{i}", daemon=True) for i in range(n)]
+        for w in self.workers:
+            w.start()
+
+    def running(self) -> int:
+        return sum(w.is_alive() for w in self.workers)
+
+    def wait(self) -> int:
+        """Block until every worker is done; how many specialisations were compiled (left their marker)."""
+        for w in self.workers:
+            w.join()
+        return sum(os.path.exists(s.marker) for s in self.specs)
+
     def cancel(self) -> None:
-        """Drop the compiles not started yet and let the pool go (idempotent)."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = None
+        """Stop every worker now (idempotent)."""
+        for w in self.workers:
+            if w.is_alive():
+                w.terminate()
+        for w in self.workers:
+            w.join(5)
+        self.workers = []
+
+
+def _compile_share(specs: list[Specialisation], niceness: int, job) -> None:
+    """In a background worker: compile `specs` one after the other; a failure leaves that kernel to compile
+    in-process on its first launch."""
+    os.nice(niceness)
+    for s in specs:
+        try:
+            job(s.module, s.name, s.data, s.marker)
+        except Exception as exc:  # noqa: BLE001 - the serving process compiles it on first use instead
+            print(f"Triton background precompile of {s.name} failed ({type(exc).__name__}: {exc}); it compiles "
+                  "on first use", file=sys.stderr, flush=True)
 
 
 def compile_all(specs: list[Specialisation], workers: int) -> int:
@@ -185,16 +229,16 @@ def precompile(forwards: Iterable[Callable[[], object]], workers: int) -> Precom
     return report
 
 
-def compile_in_background(specs: list[Specialisation], workers: int) -> Compiles:
+def compile_in_background(specs: list[Specialisation], workers: int) -> BackgroundCompiles:
     """Start compiling the recorded `specs` that the cache lacks without waiting for them (prefill kernels:
     the server is ready meanwhile; a kernel launched before its worker is done compiles in-process, as
-    without precompile). `Compiles.cancel` stops what has not started."""
+    without precompile). `BackgroundCompiles.cancel` stops them."""
     missing = uncached(specs)
     try:
-        compiles = Compiles(missing, workers, niceness=10)
+        compiles = BackgroundCompiles(missing, workers)
     except Exception as exc:
         log.warning("Triton precompile failed (%s: %s); kernels compile on first use", type(exc).__name__, exc)
-        compiles = Compiles([], workers)
+        compiles = BackgroundCompiles([], workers)
     log.info("Triton precompile of prefill kernels: %d found, %d not in the cache, compiling in the background",
              len(specs), len(missing))
     return compiles

@@ -1,14 +1,16 @@
 """CPU side of the parallel Triton precompile (engine/triton_precompile.py; the GPU test is
-tests/gpu/test_triton_precompile.py): flag checks, the worker share, and that a failing compile is
-logged and left to the capture instead of stopping start-up."""
+tests/gpu/test_triton_precompile.py): flag checks, the worker share, that a failing compile is
+logged and left to the capture instead of stopping start-up, and that background compiles never hold
+a process at exit."""
 
 import logging
+import multiprocessing
 
 import pytest
 
 from engine.args import EngineArgs
 from engine.errors import UsageError
-from engine.triton_precompile import Specialisation, compile_all, default_workers
+from engine.triton_precompile import BackgroundCompiles, Specialisation, compile_all, default_workers
 
 
 def test_flag_rejects_negative_workers():
@@ -29,3 +31,29 @@ def test_failed_compile_is_logged_not_raised(caplog):
         assert compile_all([spec], workers=1) == 0
     assert "compiles at capture instead" in caplog.text
     assert compile_all([], workers=4) == 0
+
+
+def test_background_compiles_run_every_specialisation(tmp_path):
+    from tests.engine.precompile_jobs import leave_marker
+
+    specs = [Specialisation("m", f"k{i}", "{}", str(tmp_path / f"k{i}")) for i in range(5)]
+    bg = BackgroundCompiles(specs, workers=2, niceness=0, job=leave_marker)
+    assert bg.wait() == 5 and all((tmp_path / f"k{i}").exists() for i in range(5))
+    bg.cancel()
+    assert BackgroundCompiles([], workers=4).wait() == 0
+
+
+@pytest.mark.parametrize("cancel", [True, False], ids=["cancelled", "not-cancelled"])
+def test_a_process_ending_mid_compile_exits_at_once(tmp_path, cancel):
+    """An engine rank that ends while a background compile runs must not wait for it (a ProcessPoolExecutor's
+    workers held such a process at exit: the GPU server's ranks outlived their shutdown)."""
+    from tests.engine.precompile_jobs import end_while_compiling
+
+    proc = multiprocessing.get_context("spawn").Process(target=end_while_compiling, args=(str(tmp_path), cancel))
+    proc.start()
+    proc.join(60)  # start-up (spawn + imports, ~5 s here) + 1 s in the jobs; the jobs last 600 s
+    alive = proc.is_alive()
+    if alive:
+        proc.kill()
+    assert not alive, "the process waited for its background compiles at exit"
+    assert proc.exitcode == 0

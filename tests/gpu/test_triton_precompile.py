@@ -39,7 +39,7 @@ prompts = [torch.randint(0, 256, (int(k),), generator=g).tolist() for k in torch
 out = eng.generate(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
 serving = misses[len(at_start):]
 bg = eng.runner.prefill_compiles
-prefill = None if bg is None else [len(bg.futures), bg.wait()]  # wait: the next start may use them
+prefill = None if bg is None else [len(bg.specs), bg.wait()]  # wait: the next start may use them
 print("RESULT " + json.dumps({{"misses_at_start": sum(not h for h in at_start), "hits_at_start": sum(at_start),
                               "misses_serving": sum(not h for h in serving), "precompile": pre,
                               "prefill": prefill, "tokens": [o.token_ids for o in out]}}))

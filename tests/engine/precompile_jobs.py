@@ -1,0 +1,31 @@
+"""Stand-in compile jobs for tests/engine/test_triton_precompile.py (module level, so that spawned
+background workers can import them)."""
+
+import os
+import time
+
+from engine.triton_precompile import BackgroundCompiles, Specialisation
+
+
+def leave_marker(module: str, name: str, data: str, marker: str) -> None:
+    with open(marker, "w"):
+        pass
+
+
+def compile_forever(module: str, name: str, data: str, marker: str) -> None:
+    with open(marker + ".started", "w"):
+        pass
+    time.sleep(600)
+
+
+def end_while_compiling(tmp: str, cancel: bool) -> None:
+    """A process (an engine rank) that ends while its background workers compile, with or without
+    cancelling them first."""
+    specs = [Specialisation("m", f"k{i}", "{}", os.path.join(tmp, f"k{i}")) for i in range(3)]
+    bg = BackgroundCompiles(specs, workers=2, niceness=0, job=compile_forever)
+    deadline = time.monotonic() + 60
+    while sum(os.path.exists(s.marker + ".started") for s in specs) < 2:  # both workers are inside a job
+        assert time.monotonic() < deadline, "the background workers did not start their jobs"
+        time.sleep(0.05)
+    if cancel:
+        bg.cancel()
