@@ -139,10 +139,11 @@ class BackgroundCompiles:
     every n-th one, at a lower scheduling priority); `cancel` stops them at once.
 
     A compile in progress is abandoned (Triton's cache writes each file whole, by rename, and the marker
-    comes last). Not a ProcessPoolExecutor: a process that ends while one of its workers compiles waits for
-    it at exit (its workers are joined, not daemonic); with Python 3.12 a process whose worker had 10 s of
-    compile left had not ended 100 s later. The serving engine's ranks outlived their shutdown that way
-    (killed after 30 s on the GPU); tests/engine/test_triton_precompile.py times the exit with these workers."""
+    comes last). Not a ProcessPoolExecutor: its workers are not daemonic and are joined at exit, and with
+    Python 3.12 a process holding one did not end at all on CPU trials, whether its compiles were still
+    running or long finished, shut down (wait=False) or not. The serving engine's ranks outlived their
+    shutdown that way (killed after 30 s on the GPU); tests/engine/test_triton_precompile.py times the exit
+    with these workers."""
 
     def __init__(self, specs: list[Specialisation], workers: int, niceness: int = 10, job=None):
         """job(module, name, data, marker): what compiles one (default `compile_one`; tests pass their own)."""

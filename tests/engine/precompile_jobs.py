@@ -18,14 +18,17 @@ def compile_forever(module: str, name: str, data: str, marker: str) -> None:
     time.sleep(600)
 
 
-def end_while_compiling(tmp: str, cancel: bool) -> None:
-    """A process (an engine rank) that ends while its background workers compile, with or without
-    cancelling them first."""
+def end_with_background_compiles(tmp: str, compiling: bool, cancel: bool) -> None:
+    """A process (an engine rank) that ends while its background workers compile (`compiling`) or after
+    they finished, with or without cancelling them first."""
     specs = [Specialisation("m", f"k{i}", "{}", os.path.join(tmp, f"k{i}")) for i in range(3)]
-    bg = BackgroundCompiles(specs, workers=2, niceness=0, job=compile_forever)
+    bg = BackgroundCompiles(specs, workers=2, niceness=0, job=compile_forever if compiling else leave_marker)
     deadline = time.monotonic() + 60
-    while sum(os.path.exists(s.marker + ".started") for s in specs) < 2:  # both workers are inside a job
-        assert time.monotonic() < deadline, "the background workers did not start their jobs"
-        time.sleep(0.05)
+    if compiling:
+        while sum(os.path.exists(s.marker + ".started") for s in specs) < 2:  # both workers are inside a job
+            assert time.monotonic() < deadline, "the background workers did not start their jobs"
+            time.sleep(0.05)
+    else:
+        assert bg.wait() == 3
     if cancel:
         bg.cancel()
