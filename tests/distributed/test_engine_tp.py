@@ -64,9 +64,12 @@ EP = dict(ep_size=None)  # --ep-size = --tp
 DPA = dict(enable_dp_attention=True)
 
 
+# Four ranks share this machine's two cores: each 4-rank case costs 4-6x a 2-rank one, so TP 4 runs the FP8
+# model (its block scales split four ways too) for plain TP and EP, the plain model for DP attention, and
+# the first 8 prompts only.
 @pytest.mark.parametrize("model, tp, layout", [
-    ("tiny", 2, {}), ("tiny", 4, {}), ("tiny-fp8", 2, {}), ("tiny-fp8", 4, {}),
-    ("tiny", 2, EP), ("tiny", 4, EP), ("tiny-fp8", 2, EP), ("tiny-fp8", 4, EP),
+    ("tiny", 2, {}), ("tiny-fp8", 2, {}), ("tiny-fp8", 4, {}),
+    ("tiny", 2, EP), ("tiny-fp8", 2, EP), ("tiny-fp8", 4, EP),
     ("tiny", 2, dict(DPA, dp_size=2)), ("tiny", 4, dict(DPA, dp_size=2)), ("tiny-fp8", 2, dict(DPA, dp_size=2)),
     ("tiny", 2, dict(DPA, dp_size=2, **EP)),
     ("tiny", 2, dict(enable_mixed_chunk=True)),  # decodes inside prefill steps; the reference alternates them
@@ -74,9 +77,11 @@ DPA = dict(enable_dp_attention=True)
    if isinstance(v, dict) else None)
 def test_greedy_tokens_identical_to_one_process(reference, model, tp, layout):
     prompts, ref = reference(model)
+    n = 8 if tp > 2 else len(prompts)
+    prompts, ref = prompts[:n], ref[:n]
     layout = {k: tp if v is None else v for k, v in layout.items()}
     with RankedEngine(EngineArgs.of(model=model, tp_size=tp, **layout, **FLAGS)) as eng:
-        got = eng.generate(input_ids=prompts, sampling_params=_params(len(prompts)))
+        got = eng.generate(input_ids=prompts, sampling_params=_params(n))
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert len({t for o in ref for t in o.token_ids}) > 8, "degenerate outputs: the comparison would be weak"
     worst = max(abs(a - b) for o, r in zip(got, ref) for a, b in zip(o.logprobs, r.logprobs))
