@@ -76,7 +76,7 @@ stage_serve() {
         TAG="v3-$l" LAYOUT="$l" CONCS="$CONCS" OUT="$OUT" PORT=30555 \
             EXTRA="--cuda-graph-bs 1,2,4,8,16,32,48,64,96,128,192,256" \
             timeout 420 bash benchmarks/serve_sweep.sh > "$OUT/serve-$l.txt" 2>&1 || echo "serve $l: exit $?"
-        grep -E "^v3-$l c=|healthy|not healthy|server exit" "$OUT/serve-$l.txt"
+        grep -E "^v3-$l c=|healthy|not healthy|server exit|outlived" "$OUT/serve-$l.txt"
     done
     python3 benchmarks/multi_gpu_tables.py serve "$OUT" $LAYOUTS
 }

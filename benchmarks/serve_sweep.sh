@@ -41,7 +41,9 @@ for c in $CONCS; do
     echo "$TAG c=$c n=$n bench_rc=$rc engine_alive=$alive kv_free=$(kv dsctl_kv_cache_free_tokens)+cached=$(kv dsctl_prefix_cache_tokens)/$(kv dsctl_kv_cache_total_tokens) running=$(kv dsctl_num_requests_running) retracted=$(kv dsctl_retracted_requests_total)"
     [ $alive = yes ] || { tail -40 "$OUT/$TAG-serve.log"; break; }
 done
-kill -TERM $pid; wait $pid; echo "$TAG server exit $?"
+t_stop=$(date +%s.%N); kill -TERM $pid; wait $pid; rc=$?
+echo "$TAG server exit $rc after $(python3 -c "import time; print(f'{time.time() - $t_stop:.1f}')") s"
+grep -q "did not exit within" "$OUT/$TAG-serve.log" && echo "$TAG: engine ranks outlived the shutdown request (killed)"
 grep -E "start-up|startup|phase|weights|KV|graph" "$OUT/$TAG-serve.log" | head -12
 MAXRUN=${MAXRUN:-256}  # the server's --max-running-requests (its default; per DP group)
 python3 - "$OUT/$TAG.jsonl" "$TAG" "$MODEL" "$LAYERS" "$bw" "$MAXRUN" "$LAYOUT" <<'PY'
