@@ -39,9 +39,10 @@ from benchmarks.layouts import engine_flags  # noqa: E402
 
 MODES = ("eager", "graph", "graph+compile")
 GRAPH_SIZES = "1,4,16"  # captured (and compiled) decode sizes: the shrinking batch pads to each
+LARGEST_GRAPH_SIZE = max(map(int, GRAPH_SIZES.split(",")))  # the default --compile-max-bs: every graph size compiled
 
 
-def mode_flags(mode: str, compile_max_bs: int = 16) -> dict:
+def mode_flags(mode: str, compile_max_bs: int = LARGEST_GRAPH_SIZE) -> dict:
     """Engine flags of a mode; graph+compile compiles the graph sizes up to compile_max_bs (each size is
     compiled on its own: the compile time is per size)."""
     if mode == "eager":
@@ -83,7 +84,8 @@ class Run:
     failed: list = field(default_factory=list)  # error messages of requests that did not produce every token
 
 
-def run_layout(base: dict, layout: str, mode: str, ids: list, max_new: int, compile_max_bs: int = 16) -> Run:
+def run_layout(base: dict, layout: str, mode: str, ids: list, max_new: int,
+               compile_max_bs: int = LARGEST_GRAPH_SIZE) -> Run:
     from engine.args import EngineArgs
     from engine.ranked import RankedEngine
     from engine.sampling import SamplingParams
@@ -218,7 +220,7 @@ def main(argv=None) -> int:
                    help="largest reference log-prob gap at which a divergence counts as a rounding tie")
     p.add_argument("--engine-flag", action="append", default=[], metavar="NAME=VALUE",
                    help="another engine flag for every run (field name, e.g. attention_backend=torch)")
-    p.add_argument("--compile-max-bs", type=int, default=16,
+    p.add_argument("--compile-max-bs", type=int, default=LARGEST_GRAPH_SIZE,
                    help="graph+compile: compile the graph sizes up to this (default: all of " + GRAPH_SIZES + ")")
     p.add_argument("--result-file", default=None)
     p.add_argument("--from-jsonl", default=None, metavar="FILE",

@@ -154,9 +154,6 @@ class BackgroundCompiles:
         for w in self.workers:
             w.start()
 
-    def running(self) -> int:
-        return sum(w.is_alive() for w in self.workers)
-
     def wait(self) -> int:
         """Block until every worker is done; how many specialisations were compiled (left their marker)."""
         for w in self.workers:

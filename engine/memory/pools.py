@@ -122,9 +122,6 @@ class ReqToTokenPool:
         self.table[first:first + r, :w] = lists
         return torch.arange(first, first + r, dtype=torch.int64, device=self.table.device)
 
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffer)
-
     def available(self) -> int:
         return len(self._free_rows)
 

@@ -32,9 +32,10 @@ class FailingRunner:
     def forward(self, fb: ForwardBatch):
         if self.when(fb):
             self.failures += 1
-            for buf in self.runner.kv_pool.buffer:
-                loc = fb.out_cache_loc.to(buf.device)
-                buf[loc] = torch.randn(loc.numel(), buf.shape[1]).to(buf.dtype)
+            pool = self.runner.kv_pool
+            loc = fb.out_cache_loc.to(pool.device)
+            for buf in pool.buffer:
+                buf[loc] = torch.randn(loc.numel(), pool.dim).to(pool.dtype)
             raise InjectedFailure(f"injected failure #{self.failures} ({fb.mode.value}, {fb.batch_size} requests)")
         return self.runner.forward(fb)
 
