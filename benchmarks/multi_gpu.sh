@@ -9,6 +9,8 @@
 #   fp32         the same in float32 (tf32 dots): log-probs agree closely, so tokens should match tp1's
 #   compile      CUDA graphs + torch.compile, every layout vs tp1 eager, at COMPILE_LAYERS layers (compile time grows with depth)
 #   v3fit        DeepSeek-V3 dummy FP8 at the deepest truncation every tp>1 layout holds: runs, tokens vs tp2
+#   v3control    the control for v3fit: tp2 against itself run one request at a time (another batch composition),
+#                at V3_LAYERS layers (default: fit), so FP8 rounding noise can be told from a wrong shard
 #   onebatch     dsctl bench one-batch, V3 5 layers dummy FP8, batch 1 / 32 / 128, per layout, vs the bytes floor
 #   serve        dsctl serve + dsctl bench serving (exact 1024 in / 256 out) at CONCS, per layout
 # Logs and JSONL land in $OUT (default ./multi-gpu-out); the stage tables go to stdout.
@@ -57,6 +59,17 @@ stage_compile() {  # reference: tp1 eager; then every layout with graphs + compi
 stage_v3fit() {
     python3 benchmarks/multi_gpu_check.py --model deepseek-v3 --num-layers fit --layouts "$(comma $(parallel_layouts))" \
         --modes graph --prompts 8 --max-new-tokens 16 --result-file "$OUT/check-v3fit.jsonl" 2> "$OUT/check-v3fit.log"
+}
+
+stage_v3control() {
+    local f="$OUT/check-v3control.jsonl"
+    local common=(--model deepseek-v3 --num-layers "${V3_LAYERS:-fit}" --layouts tp2 --modes graph --prompts 8
+                  --max-new-tokens 16 --result-file "$f")
+    rm -f "$f"
+    python3 benchmarks/multi_gpu_check.py "${common[@]}" 2> "$OUT/check-v3control.log" > /dev/null &&
+    python3 benchmarks/multi_gpu_check.py "${common[@]}" --engine-flag max_running_requests=1 --tag one-at-a-time \
+        2>> "$OUT/check-v3control.log" > /dev/null
+    python3 benchmarks/multi_gpu_check.py --from-jsonl "$f"
 }
 
 stage_onebatch() {

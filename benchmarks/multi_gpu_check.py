@@ -144,7 +144,7 @@ def verdict(run: Run, c: Compare, tie_gap: float) -> bool:
 def print_table(runs: list[Run], ref: Run, tie_gap: float) -> bool:
     print(f"\nreference: {ref.layout} {ref.mode}; gap = reference log-prob of its token minus that of the run's "
           f"token at the first divergence (pass: every gap < {tie_gap})")
-    print(f"{'layout':<9} {'mode':<14} {'s':>6} {'identical':>9} {'max |dlp|':>9} {'first divergences (pos: gap)':<40} "
+    print(f"{'layout':<13} {'mode':<14} {'s':>6} {'identical':>9} {'max |dlp|':>9} {'first divergences (pos: gap)':<40} "
           f"{'ok':>3}")
     ok_all = True
     for r in runs:
@@ -155,7 +155,7 @@ def print_table(runs: list[Run], ref: Run, tie_gap: float) -> bool:
                         f"{n}: ?" for n, g in c.gaps)
         if r.failed:
             div = f"{len(r.failed)} request(s) failed: {r.failed[0][:60]}"
-        print(f"{r.layout:<9} {r.mode:<14} {r.seconds:6.1f} {c.identical:>4}/{c.prompts:<4} {c.max_dlogprob:9.4f} "
+        print(f"{r.layout:<13} {r.mode:<14} {r.seconds:6.1f} {c.identical:>4}/{c.prompts:<4} {c.max_dlogprob:9.4f} "
               f"{div or '-':<40} {'yes' if ok else 'NO':>3}")
     return ok_all
 
@@ -222,6 +222,8 @@ def main(argv=None) -> int:
                    help="another engine flag for every run (field name, e.g. attention_backend=torch)")
     p.add_argument("--compile-max-bs", type=int, default=LARGEST_GRAPH_SIZE,
                    help="graph+compile: compile the graph sizes up to this (default: all of " + GRAPH_SIZES + ")")
+    p.add_argument("--tag", default="", help="a label appended to each run's layout in the table and the result "
+                   "file (e.g. the --engine-flag that sets this run apart from the reference)")
     p.add_argument("--result-file", default=None)
     p.add_argument("--from-jsonl", default=None, metavar="FILE",
                    help="no runs: print the table of the runs stored in FILE (a --result-file), first run = reference")
@@ -247,12 +249,13 @@ def main(argv=None) -> int:
     for mode in modes:
         for layout in layouts:
             run = run_layout(base, layout, mode, ids, a.max_new_tokens, a.compile_max_bs)
-            print(f"{layout} {mode}: {run.seconds:.1f} s" + (f", {len(run.failed)} request(s) failed" if run.failed
+            run.layout = f"{layout}:{a.tag}" if a.tag else layout
+            print(f"{run.layout} {mode}: {run.seconds:.1f} s" + (f", {len(run.failed)} request(s) failed" if run.failed
                                                               else ""), flush=True)
             runs.append(run)
             if a.result_file:
                 with open(a.result_file, "a") as f:
-                    f.write(json.dumps({"model": a.model, "dtype": a.dtype, "layout": layout, "mode": mode,
+                    f.write(json.dumps({"model": a.model, "dtype": a.dtype, "layout": run.layout, "mode": mode,
                                         "seconds": run.seconds, "tokens": run.tokens, "logprobs": run.logprobs,
                                         "top": run.top, "failed": run.failed}) + "\n")
     ok = print_table(runs, runs[0], a.tie_gap)
