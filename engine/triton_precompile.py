@@ -29,6 +29,7 @@ import importlib
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -142,8 +143,9 @@ class BackgroundCompiles:
     comes last). Not a ProcessPoolExecutor: its workers are not daemonic and are joined at exit, and with
     Python 3.12 a process holding one did not end at all on CPU trials, whether its compiles were still
     running or long finished, shut down (wait=False) or not. The serving engine's ranks outlived their
-    shutdown that way (killed after 30 s on the GPU); tests/engine/test_triton_precompile.py times the exit
-    with these workers."""
+    shutdown (killed after 30 s on the GPU) also because the workers inherited the rank's ignored SIGTERM,
+    so neither `cancel` nor the exit's terminate stopped a compile in progress; the workers restore it.
+    tests/engine/test_triton_precompile.py times the exit with these workers, from a rank-like process."""
 
     def __init__(self, specs: list[Specialisation], workers: int, niceness: int = 10, job=None):
         """job(module, name, data, marker): what compiles one (default `compile_one`; tests pass their own)."""
@@ -161,18 +163,23 @@ class BackgroundCompiles:
         return sum(os.path.exists(s.marker) for s in self.specs)
 
     def cancel(self) -> None:
-        """Stop every worker now (idempotent)."""
+        """Stop every worker now (idempotent); one that outlives SIGTERM by 2 s is killed."""
         for w in self.workers:
             if w.is_alive():
                 w.terminate()
         for w in self.workers:
-            w.join(5)
+            w.join(2)
+            if w.is_alive():
+                w.kill()
+                w.join()
         self.workers = []
 
 
 def _compile_share(specs: list[Specialisation], niceness: int, job) -> None:
     """In a background worker: compile `specs` one after the other; a failure leaves that kernel to compile
-    in-process on its first launch."""
+    in-process on its first launch. An engine rank ignores SIGTERM (the serving process handles it) and a
+    spawned child inherits that: restore it, or `cancel` and the exit of the rank wait for every compile."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.nice(niceness)
     for s in specs:
         try:

@@ -2,6 +2,7 @@
 background workers can import them)."""
 
 import os
+import signal
 import time
 
 from engine.triton_precompile import BackgroundCompiles, Specialisation
@@ -20,7 +21,10 @@ def compile_forever(module: str, name: str, data: str, marker: str) -> None:
 
 def end_with_background_compiles(tmp: str, compiling: bool, cancel: bool) -> None:
     """A process (an engine rank) that ends while its background workers compile (`compiling`) or after
-    they finished, with or without cancelling them first."""
+    they finished, with or without cancelling them first. Like `engine_main`, it ignores SIGTERM and SIGINT
+    (the serving process handles those), and its spawned workers inherit that."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     specs = [Specialisation("m", f"k{i}", "{}", os.path.join(tmp, f"k{i}")) for i in range(3)]
     bg = BackgroundCompiles(specs, workers=2, niceness=0, job=compile_forever if compiling else leave_marker)
     deadline = time.monotonic() + 60
