@@ -93,6 +93,15 @@ class CudaGraphRunner:
         log.debug("CUDA graph capture seconds per batch size: %s",
                   {bs: round(t, 2) for bs, t in sorted(self.capture_seconds.items())})
 
+    def release(self) -> None:
+        """Free the captured graphs now, not at garbage collection. A graph that captured NCCL collectives
+        holds their communicator: `destroy_process_group` then waits on it forever (pytorch/pytorch#115388),
+        so the ranks release their graphs before they leave the process group."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
     def _precompile(self, workers: int):
         """Compile, in parallel, the Triton kernels that the eager forward launches at every size
         (engine/triton_precompile.py); the capture below then loads them from Triton's cache."""

@@ -249,8 +249,10 @@ class RankedEngine:
         try:
             self._to.send(Shutdown())
             self._ranks.wait(timeout=timeout)
-        except (OSError, TimeoutError):
+        except OSError:
             pass
+        except TimeoutError:
+            log.warning("engine ranks did not exit within %.0fs of the shutdown request; stopping them", timeout)
         self._ranks.stop()
         self._to.close()
         self._from.close()

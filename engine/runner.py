@@ -281,9 +281,16 @@ class ModelRunner:
         return kernels
 
     def close(self) -> None:
-        """Stop background kernel compiles that have not started (the process is about to end)."""
+        """The process is about to end: stop the background kernel compiles and free the CUDA graphs (before
+        the process group goes: `CudaGraphRunner.release`). The runner cannot forward after this."""
         if self.prefill_compiles is not None:
             self.prefill_compiles.cancel()
+        for graphs in (self.graphs, self.mtp_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.mtp_graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- forward -----------------------------------------------------------
     def _forward_eager(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,7 @@ Then rank 0 gathers every group's deltas and stats and sends them as one StepOut
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -44,6 +45,7 @@ from engine.server import protocol
 log = logging.getLogger("dsctl.engine")
 
 HEARTBEAT_S = 1.0  # an idle TP rank 0 broadcasts an empty message list this often
+EXIT_STACK_DUMP_S = 20.0  # a rank still exiting this long after its loop ended logs its threads' stacks
 
 
 def scheduler_stats(scheduler, runner) -> protocol.EngineStats:
@@ -271,5 +273,8 @@ def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], 
         finally:
             sys.exit(1)
     finally:
+        # If this rank is still here EXIT_STACK_DUMP_S from now, its log shows where its exit hangs (the
+        # serving process stops ranks that outlive a shutdown request by 30 s).
+        faulthandler.dump_traceback_later(EXIT_STACK_DUMP_S, exit=False)
         runner.close()
         runner.parallel.destroy()

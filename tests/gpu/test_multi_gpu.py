@@ -54,3 +54,23 @@ def test_layout_matches_one_gpu(check, base, reference, layout, mode):
     c = check.compare(reference, run)
     assert c.max_dlogprob < LOGPROB_ATOL, c
     assert check.verdict(run, c, TIE_GAP), c
+
+
+def test_ranks_with_nccl_in_cuda_graphs_exit_promptly(base):
+    """A rank whose CUDA graphs captured NCCL collectives must free them before leaving the process group,
+    or `destroy_process_group` waits forever (the ranks then outlived every shutdown by the 30 s timeout)."""
+    import time
+
+    from engine.args import EngineArgs
+    from engine.ranked import RankedEngine
+    from engine.sampling import SamplingParams
+
+    flags, ids = base
+    eng = RankedEngine(EngineArgs.of(**flags, tp_size=2, cuda_graph_bs="1,4"))
+    outs = eng.generate(input_ids=ids[:4], sampling_params=SamplingParams(max_new_tokens=4, temperature=0,
+                                                                          ignore_eos=True))
+    assert all(len(o.token_ids) == 4 for o in outs)
+    t0 = time.monotonic()
+    eng.close(timeout=20)
+    took = time.monotonic() - t0
+    assert took < 15, f"the ranks took {took:.1f} s to exit after the shutdown request"
