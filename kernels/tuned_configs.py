@@ -15,7 +15,8 @@ Search order: the user directory (the `user_dir` argument, else the one register
 kernels/configs/ shipped in the package. Nothing here reads the environment: the
 DSCTL_KERNEL_CONFIG_DIR variable (ENV_DIR) is only the documented default of that flag,
 resolved by the engine. A look-up picks the tuned M nearest the actual one (ties: the
-smaller). With no file, defaults are used and a warning naming the `dsctl tune-moe` /
+smaller), except beyond twice the largest tuned M (a search its time limit stopped early), where
+the default config is used: a small-M tile says little about a prefill-sized GEMM. With no file, defaults are used and a warning naming the `dsctl tune-moe` /
 `dsctl tune-fp8` command that would write it is logged once. `dsctl tune-*` (tuning/)
 writes files with `save_configs`.
 """
@@ -120,6 +121,14 @@ def nearest_config(configs: dict[int, dict], m: int) -> dict:
     return dict(configs[best])
 
 
+BEYOND_TUNED = 2  # an M above this multiple of a file's largest tuned M gets the default config
+
+
+def tuned_or_default(configs: dict[int, dict], m: int, default) -> dict:
+    """nearest_config, unless m is beyond BEYOND_TUNED x the largest tuned M: then default() (a thunk)."""
+    return default() if m > BEYOND_TUNED * max(configs) else nearest_config(configs, m)
+
+
 def _warn_once(filename: str, command: str, user_dir) -> None:
     if filename in _warned:
         return
@@ -195,7 +204,7 @@ def get_moe_config(E: int, N: int, M: int, top_k: int, dtype: str, device: Devic
     fname = moe_config_filename(E, N, name, dtype, block_shape if dtype == "fp8_w8a8" else None)
     path = find_config_file(fname, user_dir)
     if path is not None:
-        return nearest_config(load_configs(path), M)
+        return tuned_or_default(load_configs(path), M, lambda: default_moe_config(M, E, N, top_k, dtype))
     if name != "cpu":
         _warn_once(fname, f"dsctl tune-moe --model <model> --tp <tp> --dtype {dtype}", user_dir)
     return default_moe_config(M, E, N, top_k, dtype)
@@ -210,7 +219,7 @@ def get_fp8_gemm_config(N: int, K: int, M: int, device: Device = None,
     fname = fp8_gemm_config_filename(N, K, name, block_shape)
     path = find_config_file(fname, user_dir)
     if path is not None:
-        return nearest_config(load_configs(path), M)
+        return tuned_or_default(load_configs(path), M, lambda: default_fp8_gemm_config(M, N, K))
     if name != "cpu":
         _warn_once(fname, "dsctl tune-fp8 --model <model> --tp <tp>", user_dir)
     return default_fp8_gemm_config(M, N, K)

@@ -56,6 +56,25 @@ def test_round_trip_and_nearest(tmp_path):
     assert set(tc.load_configs(path)) == {8}
 
 
+def test_beyond_twice_the_largest_tuned_m_the_default_is_used(tmp_path, monkeypatch):
+    """A file whose search stopped at M = 64 (its time limit) still serves decode sizes, but a prefill-sized
+    M gets the default config, not the M = 64 tile."""
+    monkeypatch.setattr(tc, "SHIPPED_DIR", tmp_path)
+    tc.save_configs(tmp_path / tc.fp8_gemm_config_filename(24576, 1536, "Fake_GPU"), {1: _cfg(16), 64: _cfg(32)})
+    tc.save_configs(tmp_path / tc.moe_config_filename(256, 2048, "Fake_GPU", "fp8_w8a8"), {1: _cfg(16), 512: _cfg(32)})
+
+    def gemm(m):
+        return tc.get_fp8_gemm_config(24576, 1536, m, device_name_override="Fake_GPU")
+
+    def moe(m):
+        return tc.get_moe_config(256, 2048, m, 8, "fp8_w8a8", device_name_override="Fake_GPU")
+
+    assert gemm(1)["BLOCK_SIZE_M"] == 16 and gemm(128)["BLOCK_SIZE_M"] == 32
+    assert gemm(129) == tc.default_fp8_gemm_config(129, 24576, 1536) and gemm(129)["BLOCK_SIZE_M"] != 32
+    assert moe(1024)["BLOCK_SIZE_M"] == 32
+    assert moe(4096) == tc.default_moe_config(4096, 256, 2048, 8, "fp8_w8a8")
+
+
 def _write(d, name, bm):
     tc.save_configs(d / name, {1: _cfg(bm)})
 
@@ -81,7 +100,7 @@ def test_search_order(tmp_path, monkeypatch):
     assert get()["BLOCK_SIZE_M"] == 16
     gemm = tc.fp8_gemm_config_filename(576, 7168, "Fake_GPU")
     _write(shipped, gemm, 128)
-    assert tc.get_fp8_gemm_config(576, 7168, 3, device_name_override="Fake_GPU")["BLOCK_SIZE_M"] == 128
+    assert tc.get_fp8_gemm_config(576, 7168, 2, device_name_override="Fake_GPU")["BLOCK_SIZE_M"] == 128
 
 
 def test_environment_is_not_a_search_path(tmp_path, monkeypatch):

@@ -78,7 +78,7 @@ def test_tiny_real_run_under_interpreter(tiny_model, tmp_path):
     name = tc.moe_config_filename(4, 128, "cpu", "fp8_w8a8")
     assert (out / name).is_file(), res.stdout
     tc.clear_config_cache()
-    cfg = tc.get_moe_config(4, 128, 3, 2, "fp8_w8a8", device_name_override="cpu", user_dir=out)
+    cfg = tc.get_moe_config(4, 128, 2, 2, "fp8_w8a8", device_name_override="cpu", user_dir=out)
     assert cfg == tc.load_configs(out / name)[1]
     assert cfg["BLOCK_SIZE_M"] == 16  # M=1 x top-2 over 4 experts: larger row tiles are pruned
     assert "speed-up" in res.stdout and "no config passed" not in res.stdout
