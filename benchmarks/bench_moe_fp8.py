@@ -1,15 +1,18 @@
 """Check and time the MoE / FP8 kernels at DeepSeek-V3 shapes on one CUDA GPU.
 
-    python benchmarks/bench_moe_fp8.py [--out DIR] [--sections ceil,check,moe,gemm,small] [--quick]
+    python benchmarks/bench_moe_fp8.py [--out DIR] [--sections ceil,check,moe,gemm,small] [--quick] [--tp 8]
 
 1. ceilings: device-to-device copy bandwidth (bytes read + written), bf16 cuBLAS and
    fp8 torch._scaled_mm rates on 8192^3.
 2. checks: every kernel against its torch reference at V3 shapes (odd sizes too), FP8
    against float64 within its quantisation error; CUDA-graph replay == eager.
-3. fused MoE (E=256, hidden 7168, N=256 = TP-8 shard, top-8), FP8 block and bf16, batch
-   1..512: a small config sweep; floor = bytes of the expert weights the routing touches
+3. fused MoE (E=256, hidden 7168, N = 2048 / --tp: 256 at TP 8, 2048 at TP 1, top-8), FP8 block and
+   bf16, batch 1..512: a small config sweep; floor = bytes of the expert weights the routing touches
    (+ scales) / measured copy bandwidth.
-4. block-FP8 GEMM on the V3 TP-8 linear shapes, M 1..8192, vs torch bf16 matmul (cuBLAS).
+4. block-FP8 GEMM on V3's linear shapes at --tp (TP 8: the six of the first run; other TPs: every
+   block-FP8 linear, from tuning/shapes.py), M 1..8192, vs torch bf16 matmul (cuBLAS).
+With --quick only the built-in default config and the tuned file's config (where one is shipped for
+this GPU) are timed.
 5. small kernels: router (moe_gate), moe_align, fp8_bmm (absorbed MLA), quantisation.
 
 Times are medians (triton.testing.do_bench, which flushes L2 before each run) of a CUDA
@@ -55,6 +58,7 @@ from kernels.moe_gate import moe_gate, moe_gate_ref  # noqa: E402
 
 E, HIDDEN, N_SHARD, TOP_K = 256, 7168, 256, 8
 MOE_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+MOE_DTYPES = ("fp8_w8a8", "bf16")
 GEMM_SHAPES = {  # name: (N, K) at TP 8
     "q_a 7168->1536": (1536, 7168),
     "q_b 1536->3072": (128 * 192 // 8, 1536),
@@ -365,9 +369,27 @@ def moe_candidates(dtype, t):
     return [c for c in cands if c["BLOCK_SIZE_M"] <= max_bm]
 
 
+def set_tp(tp: int) -> None:
+    """Point the MoE shard and the GEMM shapes at tensor-parallel size `tp` (module constants; the
+    default 8 keeps the first run's six shapes and names)."""
+    global N_SHARD, GEMM_SHAPES
+    if tp == 8:
+        return
+    from tuning.shapes import gemm_shapes, load_model_config
+
+    N_SHARD = 2048 // tp
+    GEMM_SHAPES = {f"{'+'.join(s.layers)} {s.K}->{s.N}": (s.N, s.K)
+                   for s in gemm_shapes(load_model_config("deepseek-v3"), tp=tp)}
+
+
+def with_tuned(default: dict, tuned: dict) -> list:
+    """--quick candidates: the default, and the shipped tuned config when it differs."""
+    return [default] + ([tuned] if tuned != default else [])
+
+
 def bench_moe(ceil, quick):
     rows, best_cfgs = [], {}
-    for dtype in ("fp8_w8a8", "bf16"):
+    for dtype in MOE_DTYPES:
         fp8 = dtype == "fp8_w8a8"
         log(f"\n## fused MoE {dtype}: E={E} K={HIDDEN} N={N_SHARD} top-{TOP_K}")
         w13, w2, s13, s2 = moe_weights(fp8, seed=3)
@@ -384,7 +406,9 @@ def bench_moe(ceil, quick):
                                               config=c) for i in range(rot)]
 
             default = tc.default_moe_config(t, E, N_SHARD, TOP_K, dtype)
-            results = sweep(fns, [default] + ([] if quick else moe_candidates(dtype, t)), f"T={t}")
+            tuned = tc.get_moe_config(E, N_SHARD, t, TOP_K, dtype)
+            results = sweep(fns, with_tuned(default, tuned) if quick else [default] + moe_candidates(dtype, t),
+                            f"T={t}")
             default_us = results[0][0]
             best_us, best = min(results, key=lambda r: r[0])
             eager_us = do_bench(fns(best)[0], warmup=10, rep=40, return_mode="median") * 1e3
@@ -422,7 +446,8 @@ def bench_gemm(ceil, quick):
                 return [lambda i=i: block_fp8_matmul(a, ws[i][0], ws[i][1], config=c) for i in range(rot)]
 
             cands = [c for c in cands if not c.get("CUBLAS") or cublas_block_fp8_supported(DEV, k=k)]
-            results = sweep(fns, [default] + ([] if quick else cands), f"{name} M={m}")
+            tuned = tc.get_fp8_gemm_config(n, k, m)
+            results = sweep(fns, with_tuned(default, tuned) if quick else [default] + cands, f"{name} M={m}")
             default_us = results[0][0]
             best_us, best = min(results, key=lambda r: r[0])
             aq, a_s = per_token_group_quant_fp8(a, column_major_scales=True)
@@ -569,10 +594,19 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "out/bench_moe_fp8"))
     p.add_argument("--sections", default="ceil,check,moe,gemm,small")
-    p.add_argument("--quick", action="store_true", help="default configs only (no sweep)")
+    p.add_argument("--quick", action="store_true", help="the default and the shipped tuned config only (no sweep)")
+    p.add_argument("--tp", type=int, default=8, choices=(1, 2, 4, 8), help="the MoE shard and GEMM shapes' TP")
+    p.add_argument("--moe-batches", default=None, help="comma list (default: 1..512)")
+    p.add_argument("--moe-dtypes", default=None, help="fp8_w8a8 and / or bf16 (default: both)")
+    p.add_argument("--gemm-ms", default=None, help="comma list of GEMM M (default: 1..8192)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe_fp8 needs a CUDA GPU")
+    set_tp(args.tp)
+    global MOE_BATCHES, MOE_DTYPES, GEMM_MS
+    MOE_BATCHES = [int(x) for x in args.moe_batches.split(",")] if args.moe_batches else MOE_BATCHES
+    MOE_DTYPES = tuple(args.moe_dtypes.split(",")) if args.moe_dtypes else MOE_DTYPES
+    GEMM_MS = [int(x) for x in args.gemm_ms.split(",")] if args.gemm_ms else GEMM_MS
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     LOG = open(out / "log.txt", "w")
