@@ -331,6 +331,11 @@ class SpeculativeArgs:
         8, "Tree nodes verified per request and step, the last accepted token included (at most "
         "1 + steps x topk).",
     )
+    speculative_disable_by_batch_size: Optional[int] = flag(
+        None, "Decode steps of this many requests or more run without speculation (at large batches a verify "
+        "forward is compute-bound and costs more than the drafts gain); the draft layer's KV keeps up in "
+        "batched catch-up forwards. Off by default: every decode step speculates.",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -341,9 +346,14 @@ class SpeculativeArgs:
             self.speculative_algorithm = self.speculative_algorithm.upper()
         _check_choices(self)
         if not self.enabled:
-            if self.speculative_draft is not None:
-                raise UsageError("--speculative-draft needs --speculative-algorithm NEXTN")
+            for name, value in (("--speculative-draft", self.speculative_draft),
+                                ("--speculative-disable-by-batch-size", self.speculative_disable_by_batch_size)):
+                if value is not None:
+                    raise UsageError(f"{name} needs --speculative-algorithm NEXTN")
             return
+        if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 1:
+            raise UsageError(f"--speculative-disable-by-batch-size must be >= 1 "
+                             f"(got {self.speculative_disable_by_batch_size})")
         s, k, n = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
         if s < 1 or k < 1:
             raise UsageError(f"--speculative-num-steps and --speculative-eagle-topk must be >= 1 (got {s}, {k})")

@@ -240,8 +240,10 @@ class Scheduler:
                     return self._launch_extend(chunks, decodable if mixed else [])
         self._last_was_extend = False
         if decodable:
-            if self.spec is not None:  # a speculative step replaces the decode step (synchronous)
-                return self._launch_spec()
+            if self.spec is not None:
+                if self.spec.speculates(len(decodable)):  # a speculative step replaces the decode step
+                    return self._launch_spec()
+                decodable = self._spec_catch_up(decodable)
             reqs = self._prepare_decode(decodable)
             if reqs:
                 return self._launch_decode(reqs)
@@ -481,6 +483,8 @@ class Scheduler:
         if any(r.pending for r in reqs):
             fb.input_ids = self._inputs_from_pending(reqs, fb.input_ids)
         out = self.runner.forward(fb)
+        if self.spec is not None:  # speculation off for this batch size: the draft layer's KV waits
+            self.spec.after_plain_decode(reqs, out.hidden)
         self._counters["decode_steps"] += 1
         self.reservation.decode_step()
         return Launch(sampled=list(reqs), sample=self._sample(reqs, out.logits))
@@ -501,6 +505,18 @@ class Scheduler:
         self.reservation.decode_step()
         self._failed_in_a_row = 0
         return None
+
+    def _spec_catch_up(self, decodable: list[Request]) -> list[Request]:
+        """Before a plain decode step with speculation on: when a request has run enough plain steps
+        (`SpecDecoder.catch_up_due`), write the draft KV of every decodable request's pending positions in
+        forwards of at most a prefill step's tokens (the step in flight is processed first: those positions'
+        next tokens must be known). Returns the decodable requests after that."""
+        if not self.spec.catch_up_due(decodable):
+            return decodable
+        self._sync()
+        decodable = self._decodable()
+        self.spec.catch_up(decodable, self._step_budget())
+        return decodable
 
     def _inputs_from_pending(self, reqs: list[Request], host_ids: torch.Tensor) -> torch.Tensor:
         """Decode inputs: a request's previous token is read from the device when not processed yet."""

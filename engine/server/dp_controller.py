@@ -54,7 +54,7 @@ class DPController:
         first = per_group[0]
         total = {f: sum(getattr(s, f) for s in per_group)
                  for f in ("running", "waiting", "kv_total_tokens", "kv_free_tokens", "prefix_cache_tokens",
-                           "retracted_requests")}
+                           "retracted_requests", "spec_plain_steps")}
         rate = sum(s.prefix_cache_hit_rate for s in per_group) / len(per_group)
         return replace(first, **total, prefix_cache_hit_rate=rate, dp_requests=tuple(self.dispatched),
                        dp_running=tuple(self.load))

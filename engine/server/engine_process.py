@@ -57,7 +57,8 @@ def scheduler_stats(scheduler, runner) -> protocol.EngineStats:
                                 prefix_cache_tokens=extra["prefix_cache_tokens"],
                                 prefix_cache_hit_rate=extra["prefix_cache_hit_rate"],
                                 retracted_requests=extra["retracted_requests"],
-                                spec_accept_hist=extra.get("spec_accept_hist", ()))
+                                spec_accept_hist=extra.get("spec_accept_hist", ()),
+                                spec_plain_steps=extra.get("spec_plain_steps", 0))
 
 
 class EngineLoop:

@@ -85,6 +85,10 @@ def _spec_metrics(s):
     mean = GaugeMetricFamily("dsctl_spec_accept_length", "Mean tokens per request per speculative step.")
     mean.add_metric([], hist_mean(s.spec_accept_hist) if steps else 0.0)
     yield mean
+    plain = CounterMetricFamily("dsctl_spec_plain_steps", "Decode steps run without speculation "
+                                "(--speculative-disable-by-batch-size).")
+    plain.add_metric([], float(s.spec_plain_steps))
+    yield plain
 
 
 def hist_mean(hist) -> float:

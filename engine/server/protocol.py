@@ -65,6 +65,7 @@ class EngineStats:
     dp_running: tuple[int, ...] = ()  # DP attention: running + waiting requests of each DP group
     # speculative decoding, cumulative: request-steps that emitted 1, 2, ... tokens (empty when off)
     spec_accept_hist: tuple[int, ...] = ()
+    spec_plain_steps: int = 0  # cumulative: decode steps run without speculation (--speculative-disable-by-batch-size)
 
 
 @dataclass

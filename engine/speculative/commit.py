@@ -41,7 +41,7 @@ def commit_and_emit(reqs, batch, tree: torch.Tensor, accepted: torch.Tensor, ver
     host = torch.cat((accepted, tree[0].gather(1, path)), 1).cpu()  # the step's one host copy of its result
     acc = _commit(reqs, host, verify_slots.view(b, n), mem, pool)
     for i, req in enumerate(reqs):  # the next draft extend's inputs
-        req.spec.hidden, req.spec.rows = hidden, list(range(i * width, i * width + len(acc.nodes[i])))
+        req.spec.parts = [(hidden, j) for j in range(i * width, i * width + len(acc.nodes[i]))]
     _emit(reqs, acc, n, out.logits, outputs)
     return [len(t) for t in acc.tokens]
 

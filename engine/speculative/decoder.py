@@ -35,7 +35,6 @@ them, the tree rows' KV lists sitting in the request table's scratch rows (Model
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -46,15 +45,17 @@ from engine.speculative.accept import accept_greedy_batch, accept_sampled, child
 from engine.speculative.commit import commit_and_emit
 from engine.speculative.draft import decode_draft, draft_tree, extend_draft
 from engine.speculative.stats import SpecStats
-from engine.speculative.step_batch import StepBatch, StepIndex
+from engine.speculative.step_batch import StepBatch, StepIndex, catch_up_pending
 from engine.speculative.tree_table import ancestors, build_tree_table, tree_batch
+
+CATCH_UP_EVERY = 16  # plain decode steps a request runs before its draft KV is caught up
 
 
 @dataclass
 class SpecState:
     mtp_len: int  # positions [0, mtp_len) have draft KV
-    hidden: Optional[torch.Tensor]  # holds the target hidden states of positions [mtp_len, kv_len) ...
-    rows: list[int]  # ... at these rows (one tensor serves every request of a step)
+    parts: list  # per position mtp_len..kv_len - 1: (tensor, row) holding the target's hidden state there
+    # (one tensor serves every request of a step; plain decode steps append one position each)
 
 
 class SpecDecoder:
@@ -69,6 +70,7 @@ class SpecDecoder:
             raise UsageError("speculative decoding needs an MTP/NextN draft layer")
         self.slots_per_req = self.nodes + (self.steps - 1) * self.topk  # verify nodes + draft scratch
         self.stats = SpecStats(self.steps + 1)
+        self.disable_bs = args.speculative_disable_by_batch_size
         self._indices: dict[int, StepIndex] = {}  # per batch size
 
     # ---- prefill ---------------------------------------------------------------------
@@ -86,11 +88,46 @@ class SpecDecoder:
                 starts.append(c.start)
                 toks.append(req.token_ids[c.start + 1:c.start + 1 + k])
                 hid.append(h[:k])
-            req.spec = SpecState(c.start + k, h[k:].clone() if c.final else None, list(range(n - k)))
+            rest = h[k:].clone() if c.final else None
+            req.spec = SpecState(c.start + k, [(rest, j) for j in range(n - k)])
         if rows:
             extend_draft(self.runner, rows, starts, toks, torch.cat(hid))
 
     # ---- decode ----------------------------------------------------------------------
+    def speculates(self, batch_size: int) -> bool:
+        """Whether a decode step of `batch_size` requests speculates; else the scheduler runs a plain decode
+        step and hands its hidden states to `after_plain_decode`."""
+        return self.disable_bs is None or batch_size < self.disable_bs
+
+    def after_plain_decode(self, reqs, hidden: torch.Tensor) -> None:
+        """After a plain decode step of `reqs` (row i: request i's new position, the root it decoded): that
+        position's draft KV waits for the sampled token, like the accepted positions after a spec step. The
+        rows are copied (a CUDA graph's output buffer is overwritten by the next replay)."""
+        h = hidden[:len(reqs)].clone()
+        for i, r in enumerate(reqs):
+            r.spec.parts.append((h, i))
+        self.stats.plain_steps += 1
+
+    def catch_up_due(self, reqs) -> bool:
+        """Whether some request has run CATCH_UP_EVERY plain decode steps since its draft KV was complete."""
+        return any(len(r.spec.parts) > CATCH_UP_EVERY for r in reqs)
+
+    def catch_up(self, reqs, max_rows: int) -> None:
+        """Draft KV for every pending position of `reqs` but each one's last (the next spec step's draft extend
+        starts from it), in MTP forwards of at most `max_rows` rows (or one request's, if more). Needs every
+        pending position's next token on the host (the scheduler syncs first)."""
+        group, rows = [], 0
+        for r in [r for r in reqs if len(r.spec.parts) > 1] + [None]:
+            n = 0 if r is None else len(r.spec.parts) - 1
+            if group and (r is None or rows + n > max_rows):
+                decode_draft(self.runner, catch_up_pending(group, self.runner.device))
+                for g in group:
+                    g.spec.mtp_len, g.spec.parts = g.kv_len - 1, g.spec.parts[-1:]
+                group, rows = [], 0
+            if r is not None:
+                group.append(r)
+                rows += n
+
     def step(self, reqs, outputs, mem) -> None:
         """One speculative step for `reqs` (the scheduler's decode batch, each with `slots_per_req` KV slots
         free for it); accepted slots go to the requests through `mem` (the scheduler's RequestMemory), the
@@ -126,7 +163,7 @@ class SpecDecoder:
         """Draft KV for each request's pending positions; (logits, hidden) of its last one."""
         out = decode_draft(self.runner, batch.pending)
         for r in reqs:
-            r.spec.mtp_len, r.spec.hidden, r.spec.rows = r.kv_len, None, []
+            r.spec.mtp_len, r.spec.parts = r.kv_len, []
         last = batch.pending.last
         return out.logits[last], out.hidden[last]
 

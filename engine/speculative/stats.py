@@ -11,6 +11,7 @@ from __future__ import annotations
 class SpecStats:
     def __init__(self, max_tokens: int):
         self.hist = [0] * max_tokens  # hist[i]: request-steps that emitted i + 1 tokens
+        self.plain_steps = 0  # decode steps run without speculation (--speculative-disable-by-batch-size)
 
     def record(self, counts: list[int]) -> None:
         for n in counts:
@@ -26,4 +27,5 @@ class SpecStats:
         return sum((i + 1) * c for i, c in enumerate(self.hist)) / n if n else 0.0
 
     def as_dict(self) -> dict:
-        return {"spec_accept_mean": self.mean, "spec_accept_hist": tuple(self.hist)}
+        return {"spec_accept_mean": self.mean, "spec_accept_hist": tuple(self.hist),
+                "spec_plain_steps": self.plain_steps}

@@ -109,7 +109,7 @@ class StepBatch:
             pos += range(m, k)
             prow += [r.row] * (k - m)
             last.append(len(pos) - 1)
-        source, hidden_rows = _hidden_source(reqs)
+        source, hidden_rows = _hidden_source([r.spec.parts for r in reqs])
         t = len(pos)
         cols = columns_to_device([[r.token_ids[-1] for r in reqs], _each(rows, n), _each(kv, n), _each(rows, topk),
                                   _each(kv, topk), last, ids, pos, prow, [1] * t, list(range(t)), hidden_rows,
@@ -120,22 +120,40 @@ class StepBatch:
                    cols[13].view(b, n), pending, index)
 
 
+def catch_up_pending(reqs, device: torch.device) -> Pending:
+    """The draft extend's rows for every pending position of `reqs` but each one's last (SpecDecoder.catch_up,
+    after plain decode steps); `last` and the host lengths as in a step's Pending."""
+    ids, pos, prow, last, parts = [], [], [], [], []
+    for r in reqs:
+        m, k = r.spec.mtp_len, r.kv_len - 1
+        ids += r.token_ids[m + 1:k + 1]
+        pos += range(m, k)
+        prow += [r.row] * (k - m)
+        last.append(len(pos) - 1)
+        parts.append(r.spec.parts[:k - m])
+    source, hidden_rows = _hidden_source(parts)
+    t = len(pos)
+    cols = columns_to_device([ids, pos, prow, [1] * t, list(range(t)), hidden_rows, last], device)
+    return Pending(cols[0], cols[1], cols[2], source[cols[5]], RowIndex(cols[4], cols[3]), cols[6],
+                   [p + 1 for p in pos])
+
+
 def _each(values: list[int], times: int) -> list[int]:
     return [v for v in values for _ in range(times)]
 
 
-def _hidden_source(reqs) -> tuple[torch.Tensor, list[int]]:
-    """The requests' pending target hidden states (SpecState: rows of a tensor that several requests may
-    share, the last commit's gather) as rows of one tensor: their distinct tensors concatenated (usually
-    just one), and the rows of each pending position in it, in batch order."""
+def _hidden_source(parts_per_req: list[list]) -> tuple[torch.Tensor, list[int]]:
+    """The requests' pending target hidden states (SpecState.parts: rows of tensors that several requests
+    share: the last commit's gather, a prefill's last rows, one per plain decode step) as rows of one tensor:
+    their distinct tensors concatenated (usually just one), and the row of each pending position in it, in
+    batch order."""
     offsets: dict[int, int] = {}
     tensors, rows, total = [], [], 0
-    for r in reqs:
-        h = r.spec.hidden
-        if id(h) not in offsets:
-            offsets[id(h)] = total
-            tensors.append(h)
-            total += h.shape[0]
-        off = offsets[id(h)]
-        rows += [off + x for x in r.spec.rows]
+    for parts in parts_per_req:
+        for h, row in parts:
+            if id(h) not in offsets:
+                offsets[id(h)] = total
+                tensors.append(h)
+                total += h.shape[0]
+            rows.append(offsets[id(h)] + row)
     return (tensors[0] if len(tensors) == 1 else torch.cat(tensors)), rows

@@ -26,6 +26,16 @@ def test_stats_reach_engine_stats_and_metrics_text():
     assert "dsctl_spec_accept_length" in text
 
 
+def test_plain_steps_reach_metrics_text():
+    eng = Engine(model="tiny", **FLAGS, **SPEC, speculative_disable_by_batch_size=2)
+    eng.generate(input_ids=[[5, 6, 7], [8, 9, 10, 11]], sampling_params=SamplingParams(max_new_tokens=5,
+                                                                                        temperature=0))
+    stats = scheduler_stats(eng.scheduler, eng.runner)
+    assert stats.spec_plain_steps >= 4
+    text = ServerMetrics(SimpleNamespace(stats=stats, healthy=True, pending={})).render().decode()
+    assert f"dsctl_spec_plain_steps_total {float(stats.spec_plain_steps)}" in text
+
+
 def test_no_spec_series_without_speculation():
     eng = Engine(model="tiny", **FLAGS)
     stats = scheduler_stats(eng.scheduler, eng.runner)

@@ -50,3 +50,21 @@ def test_dp_attention_greedy_identical_to_one_process_without_spec(padded):
         both = eng.generate(input_ids=ps, sampling_params=params)
     assert [o.token_ids for o in alone] == ref[:3]
     assert [o.token_ids for o in both] == ref
+
+
+def test_dp_attention_with_disable_by_batch_size_identical():
+    """The same under DP attention with --speculative-disable-by-batch-size 2 and padded graphs: a group runs
+    plain steps while 2 or more of its requests decode (26 / 31 of them: draft-KV catch-ups through the MTP
+    layer after 16), then spec steps for its longest request, each group at its own pace; every forward is
+    still agreed between the groups."""
+    main = functools.partial(engine_main, make_engine=padded_spec_engine)
+    flags = dict(FLAGS, max_total_tokens=2048)
+    off = Engine(EngineArgs.of(model="tiny-py", **flags))
+    ps = prompts(off.config.vocab_size, n=8, seed=5)
+    params = [SamplingParams(max_new_tokens=6 + 5 * i, temperature=0, ignore_eos=True) for i in range(len(ps))]
+    ref = [o.token_ids for o in off.generate(input_ids=ps, sampling_params=params)]
+    with RankedEngine(EngineArgs.of(model="tiny-py", tp_size=2, enable_dp_attention=True, dp_size=2,
+                                    dist_timeout=60, speculative_disable_by_batch_size=2, **flags, **SPEC),
+                       rank_main=main) as eng:
+        both = eng.generate(input_ids=ps, sampling_params=params)
+    assert [o.token_ids for o in both] == ref
