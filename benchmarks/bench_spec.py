@@ -81,8 +81,10 @@ def _median_step(eng, steps: int) -> float:
 
 
 def step_cost(eng, bs: int, input_len: int, steps: int, tree=None) -> float:
-    """Median step time (s) at batch bs: the spec step with `tree`, or plain decode with tree None."""
-    eng.scheduler = eng.make_scheduler(disable_radix_cache=True, **(_tree_flags(tree) if tree else {}))
+    """Median step time (s) at batch bs: the spec step with `tree` (never disabled by batch size), or plain
+    decode with tree None."""
+    eng.scheduler = eng.make_scheduler(disable_radix_cache=True, speculative_disable_by_batch_size=None,
+                                       **(_tree_flags(tree) if tree else {}))
     if tree is None:
         eng.scheduler.spec = None
     p = SamplingParams(max_new_tokens=10 ** 6, temperature=0, ignore_eos=True)
@@ -242,7 +244,8 @@ def tok_s(eng, bs: int, input_len: int, output_len: int, tree) -> dict:
         elapsed = time.perf_counter() - t
     tokens = sum(len(o.token_ids) for o in outs)
     graphs = eng.runner.graphs is not None  # without graphs every decode forward is eager: its sizes vary
-    return dict(rate=tokens / elapsed, accepted=decoder.stats.mean if tree else 1.0,
+    spec_steps = decoder.stats.steps if tree else 0  # none when every step was plain (--disable-by-batch-size)
+    return dict(rate=tokens / elapsed, accepted=decoder.stats.mean if spec_steps else float("nan") if tree else 1.0,
                 timed=probe.summary(tokens, elapsed),
                 hit_tokens=eng.scheduler.stats()["prefix_cache_hit_tokens"] - hits,
                 new_shapes=sorted(k for k in set(probe.eager) - set(warm.eager) if k[1] != "DECODE" or graphs))
@@ -316,6 +319,8 @@ def main() -> None:
     ap.add_argument("--cuda-graph-bs", default="1,2,4,8,16,32,64,128,256,512,1024")
     ap.add_argument("--enable-torch-compile", action="store_true")
     ap.add_argument("--tok-s-only", action="store_true")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="--speculative-disable-by-batch-size for the spec-on tok/s runs (plain steps from this batch)")
     ap.add_argument("--json", help="write the measured step costs here (for --project)")
     ap.add_argument("--project", help="another depth's --json: project the step costs to full depth")
     a = ap.parse_args()
@@ -323,7 +328,8 @@ def main() -> None:
     flags = dict(model=a.model, load_format=a.load_format, num_layers=a.num_layers,
                  max_running_requests=max(a.batch_size), max_model_len=a.input_len + a.output_len + 64 * a.steps,
                  chunked_prefill_size=8192, max_prefill_tokens=16384, speculative_algorithm="NEXTN",
-                 enable_torch_compile=a.enable_torch_compile, **_tree_flags(widest))
+                 enable_torch_compile=a.enable_torch_compile, **_tree_flags(widest),
+                 speculative_disable_by_batch_size=a.disable_by_batch_size)
     if torch.cuda.is_available():
         flags["cuda_graph_bs"] = a.cuda_graph_bs
     eng = Engine(**flags)
@@ -347,7 +353,8 @@ def main() -> None:
     full = eng.runner.resolved.config.num_hidden_layers
     print(f"\n{a.model} ({a.load_format}, {a.num_layers} layers + MTP) on {device}; input {a.input_len}; "
           f"trees steps x topk x nodes; CUDA graphs {'on' if torch.cuda.is_available() else 'off'}"
-          f"{', torch.compile' if a.enable_torch_compile else ''}")
+          f"{', torch.compile' if a.enable_torch_compile else ''}"
+          f"{f', spec off from batch {a.disable_by_batch_size}' if a.disable_by_batch_size else ''}")
     if costs:
         print("\n".join(_cost_table(costs, "\none step, measured: plain decode vs draft + verify, and the speed-up "
                                            "at accepted length L")))
@@ -362,7 +369,7 @@ def main() -> None:
           f"{'x'.join(map(str, a.trees[0]))}")
     print(f"{'batch':>5} {'spec off':>10} {'spec on':>10} {'speed-up':>9} {'accepted':>9}")
     for bs, off, on, acc in tok:
-        print(f"{bs:>5} {off:>10.1f} {on:>10.1f} {on / off:>8.2f}x {acc:>9.2f}")
+        print(f"{bs:>5} {off:>10.1f} {on:>10.1f} {on / off:>8.2f}x " + (f"{acc:>9.2f}" if acc == acc else f"{'-':>9}"))
 
 
 if __name__ == "__main__":
