@@ -9,11 +9,12 @@
 # Both clients are `dsctl bench serving` (random token-id prompts of exactly the asked lengths, distinct seeds so
 # that nothing is a prefix-cache hit). A warm-up round of both kinds (other seeds) runs first on each server so
 # that Triton JIT compilation is not measured. Prints one table: short-stream ITL p50/p90/p99, TPOT p50 and
-# output tok/s, long-prompt TTFT, failures, and on/off ratios.
+# output tok/s, long-prompt TTFT, failures, and on/off ratios; before it, per mode, the server's step times by
+# kind (decode / extend / mixed) over the measured round, from /metrics (benchmarks/step_times.py).
 #   bash benchmarks/mixed_itl.sh                      (V3, 5 layers, dummy FP8: ~5 minutes on an H100)
 #   CHUNK=8192 LONG_IN=7680 bash benchmarks/mixed_itl.sh
 #   MODEL=deepseek-v2-lite LAYERS=full bash benchmarks/mixed_itl.sh
-# Writes $OUT/mixed-{off,on}-serve.log, $OUT/mixed-{off,on}-{short,long,warm}.{jsonl,txt}.
+# Writes $OUT/mixed-{off,on}-serve.log, $OUT/mixed-{off,on}-{short,long,warm}.{jsonl,txt}, -metrics-{before,after}.txt.
 # The GPU image lacks the server's Python packages (uvicorn, starlette, ...): `bash benchmarks/mixed_itl.sh
 # --bundle`, run where they are installed, copies them into $SITE (default .whl/site, git-ignored; carry it
 # with the run), which this script puts on PYTHONPATH when a package is missing; TARGET_PY=3.12 (the GPU's Python)
@@ -130,7 +131,11 @@ for mode in $MODES; do
     fi
     echo "$tag (${flag:-mixed batches off} --chunked-prefill-size $CHUNK): healthy after $(( $(date +%s) - start )) s"
     round "$tag" -warm 1000 "$SHORT_CONC" 3 || { failed=1; stop_server; continue; }
+    curl -sf "127.0.0.1:$PORT/metrics" > "$OUT/$tag-metrics-before.txt"
     round "$tag" "" 1 "$SHORT_N" "$LONG_N" || failed=1
+    curl -sf "127.0.0.1:$PORT/metrics" > "$OUT/$tag-metrics-after.txt" &&
+        { echo "$tag: scheduler steps of the measured round (dsctl_step_seconds)";
+          python3 benchmarks/step_times.py "$OUT/$tag-metrics-before.txt" "$OUT/$tag-metrics-after.txt"; }
     kill -0 "$pid" 2>/dev/null || { echo "$tag: the server died"; tail -30 "$OUT/$tag-serve.log"; failed=1; }
     stop_server; echo "$tag: server exit $?"
 done

@@ -59,6 +59,7 @@ checked by `prompt_check.check_prompt`, the same check the server runs.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -76,6 +77,7 @@ from engine.scheduler.policy import POLICIES, order_waiting
 from engine.scheduler.processor import OutputProcessor
 from engine.scheduler.prompt_check import PromptLimits, check_prompt
 from engine.scheduler.request import Request
+from engine.scheduler.step_times import StepTimes
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,9 @@ class Launch:
     sample: Optional[PendingSample]
     # (request, device log-probs of prompt tokens computed in this step, final chunk?)
     prompt_lp: list[tuple[Request, torch.Tensor, bool]] = field(default_factory=list)
+    kind: str = "decode"  # step_times.KINDS
+    launched: float = 0.0  # time.perf_counter() when scheduling it began
+    done: Optional[torch.cuda.Event] = None  # CUDA: recorded after a step that samples nothing
 
 
 @dataclass
@@ -132,6 +137,8 @@ class Scheduler:
         self._counters = {"prompt_tokens": 0, "prefix_cache_hit_tokens": 0, "retracted_requests": 0,
                           "extend_steps": 0, "decode_steps": 0, "mixed_steps": 0, "failed_steps": 0,
                           "failed_requests": 0}
+        self.step_times = StepTimes()
+        self._last_done = 0.0  # time.perf_counter() when the last step's results came in
 
     @property
     def cache(self):
@@ -170,8 +177,11 @@ class Scheduler:
 
         A forward (or its sampling, or the reading of its results) that raises fails the requests of
         its batch, not the scheduler; see the module docstring."""
+        t0 = time.perf_counter()
         try:
             launch = self._schedule_and_launch()
+            if launch is not None:
+                launch.launched = t0
         except Exception as exc:  # noqa: BLE001 - the batch fails, the engine goes on
             self._unride()
             self._fail(self._launching, exc)
@@ -199,6 +209,7 @@ class Scheduler:
             "prefix_cache_hit_rate": c["prefix_cache_hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
             "prefilling": 1 if self.prefilling is not None else 0,
             **c,
+            "step_seconds": self.step_times.as_dict(),
             **(self.spec.stats.as_dict() if self.spec is not None else {}),
         }
 
@@ -438,7 +449,7 @@ class Scheduler:
         out = self.runner.forward(fb)
         if self.spec is not None:
             self.spec.after_extend(chunks, out)
-        launch, last_rows, row = Launch(sampled=[], sample=None), [], 0
+        launch, last_rows, row = Launch(sampled=[], sample=None, kind="mixed" if decodes else "extend"), [], 0
         for c in chunks:
             req, n = c.req, c.end - c.start
             if req.wants_prompt_logprobs:
@@ -470,6 +481,9 @@ class Scheduler:
         if launch.sampled:
             logits = out.logits if len(last_rows) == out.logits.shape[0] else out.logits[last_rows]
             launch.sample = self._sample(launch.sampled, logits)
+        elif self.runner.device.type == "cuda":  # nothing to resolve: an event tells when it is done
+            launch.done = torch.cuda.Event()
+            launch.done.record()
         self._counters["extend_steps"] += 1
         return launch
 
@@ -500,7 +514,9 @@ class Scheduler:
         if not reqs:
             return None
         self._launching = reqs
+        t0 = time.perf_counter()
         self.spec.step(reqs, self.outputs, self.mem)
+        self._step_done("spec", t0)
         self._counters["decode_steps"] += 1
         self.reservation.decode_step()
         self._failed_in_a_row = 0
@@ -524,6 +540,12 @@ class Scheduler:
         src = to_device([r.pending_row if r.pending else -1 for r in reqs], prev.device)  # not blocking
         return torch.where(src >= 0, prev[src.clamp(min=0)], host_ids)
 
+    def _step_done(self, kind: str, launched: float) -> None:
+        """A step's results are in: its time from the later of its launch and the previous step's end."""
+        now = time.perf_counter()
+        self.step_times.record(kind, now - max(launched, self._last_done))
+        self._last_done = now
+
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> PendingSample:
         res = sample_async(logits, [r.params for r in reqs], [r.generator for r in reqs])
         self.runner.share_sampled(res.tokens)  # TP: every rank continues with rank 0's tokens
@@ -542,10 +564,14 @@ class Scheduler:
             for req, lp, final in launch.prompt_lp:
                 self.outputs.prompt_logprobs(req, lp, final)
             if launch.sample is None:
+                if launch.done is not None:
+                    launch.done.synchronize()
+                self._step_done(launch.kind, launch.launched)
                 return
             res = launch.sample.resolve()
         except Exception as exc:  # noqa: BLE001 - e.g. a device error that surfaces at the copy
             self._fail(launch.sampled + [req for req, _, _ in launch.prompt_lp], exc)
             return
+        self._step_done(launch.kind, launch.launched)
         self._failed_in_a_row = 0
         self.outputs.process(launch.sampled, res)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
+from engine.scheduler.step_times import merge
 from engine.server import protocol
 
 
@@ -57,4 +58,4 @@ class DPController:
                            "retracted_requests", "spec_plain_steps")}
         rate = sum(s.prefix_cache_hit_rate for s in per_group) / len(per_group)
         return replace(first, **total, prefix_cache_hit_rate=rate, dp_requests=tuple(self.dispatched),
-                       dp_running=tuple(self.load))
+                       dp_running=tuple(self.load), step_seconds=merge([s.step_seconds for s in per_group]))

@@ -58,7 +58,8 @@ def scheduler_stats(scheduler, runner) -> protocol.EngineStats:
                                 prefix_cache_hit_rate=extra["prefix_cache_hit_rate"],
                                 retracted_requests=extra["retracted_requests"],
                                 spec_accept_hist=extra.get("spec_accept_hist", ()),
-                                spec_plain_steps=extra.get("spec_plain_steps", 0))
+                                spec_plain_steps=extra.get("spec_plain_steps", 0),
+                                step_seconds=extra.get("step_seconds", {}))
 
 
 class EngineLoop:

@@ -4,7 +4,8 @@ Counters and latency histograms are updated in the serving process as outputs
 arrive; the engine's load and memory gauges (running / waiting requests, KV
 pool usage and free tokens, prefix-cache holdings and hit rate) and its
 retraction counter are read from the latest EngineStats at scrape time, and so is speculative decoding's
-accepted length (histogram dsctl_spec_accepted_tokens, gauge dsctl_spec_accept_length). With DP attention
+accepted length (histogram dsctl_spec_accepted_tokens, gauge dsctl_spec_accept_length) and the
+scheduler's step times by kind (histogram dsctl_step_seconds). With DP attention
 the engine also reports, per DP group (label dp_rank), the requests dispatched to it
 (counter) and its running + waiting requests (gauge).
 """
@@ -51,6 +52,7 @@ class _EngineCollector:
                                   "(requeued and resumed by recompute).", value=float(s.retracted_requests))
         yield from _dp_metrics(s)
         yield from _spec_metrics(s)
+        yield from _step_metrics(s)
 
 
 def _dp_metrics(s):
@@ -66,6 +68,24 @@ def _dp_metrics(s):
         load.add_metric([str(rank)], float(busy))
     yield sent
     yield load
+
+
+def _step_metrics(s):
+    """The scheduler's step times per kind (engine/scheduler/step_times.py)."""
+    if not s.step_seconds:
+        return
+    from engine.scheduler.step_times import BUCKETS
+
+    hist = HistogramMetricFamily("dsctl_step_seconds", "Time of one scheduler step, by kind (decode, extend, "
+                                 "mixed, spec), from its launch or the previous step's end to its results.",
+                                 labels=["kind"])
+    for kind, (counts, total) in sorted(s.step_seconds.items()):
+        cum, buckets = 0, []
+        for edge, n in zip([*map(str, BUCKETS), "+Inf"], counts):
+            cum += n
+            buckets.append((edge, float(cum)))
+        hist.add_metric([kind], buckets, sum_value=total)
+    yield hist
 
 
 def _spec_metrics(s):

@@ -10,7 +10,7 @@ the offline Engine consumes the same deltas.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.sampling import SamplingParams
@@ -66,6 +66,8 @@ class EngineStats:
     # speculative decoding, cumulative: request-steps that emitted 1, 2, ... tokens (empty when off)
     spec_accept_hist: tuple[int, ...] = ()
     spec_plain_steps: int = 0  # cumulative: decode steps run without speculation (--speculative-disable-by-batch-size)
+    # cumulative, per step kind: (per-bucket counts of engine.scheduler.step_times.BUCKETS and +Inf, seconds)
+    step_seconds: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -45,6 +45,8 @@ def test_switching_between_plain_and_spec_steps_keeps_greedy_output(monkeypatch)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     stats = on.scheduler.stats()
     assert stats["spec_plain_steps"] > 16 and sum(stats["spec_accept_hist"]) > 0, stats
+    steps = {kind: sum(counts) for kind, (counts, _) in stats["step_seconds"].items()}
+    assert steps["spec"] > 0 and steps["decode"] == stats["spec_plain_steps"], steps
     assert caught_up and sum(caught_up) > 0
     check_pool(on)
 
