@@ -14,6 +14,10 @@
 #   onebatch     dsctl bench one-batch, V3 5 layers dummy FP8, batch 1 / 32 / 128, per layout, vs the bytes floor
 #   serve        dsctl serve + dsctl bench serving (exact 1024 in / 256 out) at CONCS, per layout
 # Logs and JSONL land in $OUT (default ./multi-gpu-out); the stage tables go to stdout.
+# Eight GPUs, full depth (issue 20):
+#   NGPU=8 LAYOUTS="tp8 tp8-dp8 tp8-ep8" LAYERS=full ONEBATCH_BS="1 8 32 128" STAGES="topo collectives onebatch" \
+#       STAGE_TIMEOUT=900 bash benchmarks/multi_gpu.sh
+#   NGPU=8 LAYOUTS="tp8 tp8-dp8" LAYERS=full IN=1000 OUTLEN=1000 CONCS="1 64 256 1024" STAGES=serve bash benchmarks/multi_gpu.sh
 # The GPU image lacks the server's packages: `SITE=.whl/site TARGET_PY=3.12 bash benchmarks/mixed_itl.sh --bundle`
 # here, carry .whl/site; this script puts it on PYTHONPATH when it exists.
 set -u
@@ -22,6 +26,9 @@ OUT=${OUT:-$PWD/multi-gpu-out}; mkdir -p "$OUT"
 STAGES=${STAGES:-"topo collectives check fp32 compile v3fit onebatch serve"}
 LAYOUTS=${LAYOUTS:-"tp1 tp2 tp2-dp2 tp2-ep2"}
 NGPU=${NGPU:-2}; CONCS=${CONCS:-"1 64 256"}; COMPILE_LAYERS=${COMPILE_LAYERS:-2}
+LAYERS=${LAYERS:-5}  # V3 depth of the onebatch and serve stages ("full": all 61 + the MTP layer)
+ONEBATCH_BS=${ONEBATCH_BS:-"1 32 128"}; IN=${IN:-1024}; OUTLEN=${OUTLEN:-256}
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}  # seconds per onebatch run / per serve layout (full depth starts slower)
 COMPILE_MAX_BS=${COMPILE_MAX_BS:-16}  # graph sizes compiled (1,4,16 captured); each costs its own compile
 export PYTHONUNBUFFERED=1
 comma() { echo "$*" | tr ' ' ','; }
@@ -77,8 +84,10 @@ stage_onebatch() {
     bw=$(python3 -c "import sys; sys.path.insert(0, '.'); from benchmarks.bench_decode import copy_bandwidth; print(copy_bandwidth())")
     for l in $LAYOUTS; do
         read -r -a lf <<< "$(python3 benchmarks/layouts.py "$l")"
-        timeout 300 python3 -m dsctl bench one-batch --model deepseek-v3 --load-format dummy --num-layers 5 \
-            --batch-size 1 32 128 --input-len 512 --output-len 32 --cuda-graph-bs 1,32,128 "${lf[@]}" \
+        local depth=(); [ "$LAYERS" != full ] && depth=(--num-layers "$LAYERS")
+        # shellcheck disable=SC2086
+        timeout "$STAGE_TIMEOUT" python3 -m dsctl bench one-batch --model deepseek-v3 --load-format dummy "${depth[@]}" \
+            --batch-size $ONEBATCH_BS --input-len 512 --output-len 32 --cuda-graph-bs "$(comma $ONEBATCH_BS)" "${lf[@]}" \
             --result-file "$OUT/onebatch.jsonl" > "$OUT/onebatch-$l.log" 2>&1 || { echo "onebatch $l failed:"; tail -5 "$OUT/onebatch-$l.log"; }
     done
     python3 benchmarks/multi_gpu_tables.py onebatch "$OUT/onebatch.jsonl" "$bw"
@@ -86,9 +95,9 @@ stage_onebatch() {
 
 stage_serve() {
     for l in $LAYOUTS; do
-        TAG="v3-$l" LAYOUT="$l" CONCS="$CONCS" OUT="$OUT" PORT=30555 \
+        TAG="v3-$l" LAYOUT="$l" CONCS="$CONCS" OUT="$OUT" PORT=30555 LAYERS="$LAYERS" IN="$IN" OUTLEN="$OUTLEN" \
             EXTRA="--cuda-graph-bs 1,2,4,8,16,32,48,64,96,128,192,256" \
-            timeout 420 bash benchmarks/serve_sweep.sh > "$OUT/serve-$l.txt" 2>&1 || echo "serve $l: exit $?"
+            timeout "$STAGE_TIMEOUT" bash benchmarks/serve_sweep.sh > "$OUT/serve-$l.txt" 2>&1 || echo "serve $l: exit $?"
         grep -E "^v3-$l c=|healthy|not healthy|server exit|outlived" "$OUT/serve-$l.txt"
     done
     python3 benchmarks/multi_gpu_tables.py serve "$OUT" $LAYOUTS
