@@ -464,6 +464,12 @@ def main() -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_mla.json").write_text(json.dumps(result, indent=1, default=str))
     print_tables(result)
+    log("\nkernel resources (every specialisation this run compiled; occupancy by sm_90 limits)")
+    from kernels import mla_decode as _dec
+    from kernels import mla_extend as _ext
+    from kernels.occupancy import report_lines
+    log("\n".join(report_lines({"mla_decode stage 1": _dec._mla_decode_stage1,
+                                  "mla_decode stage 2": _dec._mla_decode_stage2, "mla_extend": _ext._extend_fwd})))
     log(f"total {time.time() - t_start:.0f}s")
     return 0
 

@@ -645,6 +645,12 @@ def main():
                                                       failures=FAILURES),
                                                  indent=1))
     log("\n" + report)
+    from kernels import fp8 as _fp8
+    from kernels import fused_moe as _moe
+    from kernels.occupancy import report_lines
+    log("\nkernel resources (every specialisation this run compiled; occupancy by sm_90 limits)\n" + "\n".join(
+        report_lines({"fused_moe gemm": _moe._moe_gemm_kernel, "block_fp8_gemm": _fp8._block_fp8_gemm_kernel,
+                      "fp8_bmm": _fp8._fp8_bmm_kernel})))
     log(f"\nchecks failed: {FAILURES if FAILURES else 'none'}; total {time.time() - t0:.0f}s")
     sys.exit(1 if FAILURES else 0)
 
