@@ -102,14 +102,7 @@ class StepBatch:
         host tensors from the pool. One host-to-device copy, then one gather of the pending hidden rows."""
         b, n = len(reqs), verify_slots.numel() // max(len(reqs), 1)
         rows, kv = [r.row for r in reqs], [r.kv_len for r in reqs]
-        ids, pos, prow, last = [], [], [], []
-        for r in reqs:
-            m, k = r.spec.mtp_len, r.kv_len
-            ids += r.token_ids[m + 1:k + 1]
-            pos += range(m, k)
-            prow += [r.row] * (k - m)
-            last.append(len(pos) - 1)
-        source, hidden_rows = _hidden_source([r.spec.parts for r in reqs])
+        ids, pos, prow, last, source, hidden_rows = _pending_columns(reqs, kv)
         t = len(pos)
         cols = columns_to_device([[r.token_ids[-1] for r in reqs], _each(rows, n), _each(kv, n), _each(rows, topk),
                                   _each(kv, topk), last, ids, pos, prow, [1] * t, list(range(t)), hidden_rows,
@@ -123,19 +116,26 @@ class StepBatch:
 def catch_up_pending(reqs, device: torch.device) -> Pending:
     """The draft extend's rows for every pending position of `reqs` but each one's last (SpecDecoder.catch_up,
     after plain decode steps); `last` and the host lengths as in a step's Pending."""
+    ids, pos, prow, last, source, hidden_rows = _pending_columns(reqs, [r.kv_len - 1 for r in reqs])
+    t = len(pos)
+    cols = columns_to_device([ids, pos, prow, [1] * t, list(range(t)), hidden_rows, last], device)
+    return Pending(cols[0], cols[1], cols[2], source[cols[5]], RowIndex(cols[4], cols[3]), cols[6],
+                   [p + 1 for p in pos])
+
+
+def _pending_columns(reqs, ends: list[int]) -> tuple:
+    """Host columns of the draft extend's rows, one per pending position mtp_len..end - 1 of each request:
+    the token after it, its position, its table row, each request's last row; and the source tensor and rows
+    of their target hidden states (`_hidden_source`)."""
     ids, pos, prow, last, parts = [], [], [], [], []
-    for r in reqs:
-        m, k = r.spec.mtp_len, r.kv_len - 1
+    for r, k in zip(reqs, ends):
+        m = r.spec.mtp_len
         ids += r.token_ids[m + 1:k + 1]
         pos += range(m, k)
         prow += [r.row] * (k - m)
         last.append(len(pos) - 1)
         parts.append(r.spec.parts[:k - m])
-    source, hidden_rows = _hidden_source(parts)
-    t = len(pos)
-    cols = columns_to_device([ids, pos, prow, [1] * t, list(range(t)), hidden_rows, last], device)
-    return Pending(cols[0], cols[1], cols[2], source[cols[5]], RowIndex(cols[4], cols[3]), cols[6],
-                   [p + 1 for p in pos])
+    return (ids, pos, prow, last, *_hidden_source(parts))
 
 
 def _each(values: list[int], times: int) -> list[int]:
