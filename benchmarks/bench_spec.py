@@ -244,8 +244,9 @@ def tok_s(eng, bs: int, input_len: int, output_len: int, tree) -> dict:
         elapsed = time.perf_counter() - t
     tokens = sum(len(o.token_ids) for o in outs)
     graphs = eng.runner.graphs is not None  # without graphs every decode forward is eager: its sizes vary
-    spec_steps = decoder.stats.steps if tree else 0  # none when every step was plain (--disable-by-batch-size)
-    return dict(rate=tokens / elapsed, accepted=decoder.stats.mean if spec_steps else float("nan") if tree else 1.0,
+    # nan: no step speculated (every step plain, --disable-by-batch-size)
+    accepted = 1.0 if tree is None else decoder.stats.mean if decoder.stats.steps else float("nan")
+    return dict(rate=tokens / elapsed, accepted=accepted,
                 timed=probe.summary(tokens, elapsed),
                 hit_tokens=eng.scheduler.stats()["prefix_cache_hit_tokens"] - hits,
                 new_shapes=sorted(k for k in set(probe.eager) - set(warm.eager) if k[1] != "DECODE" or graphs))

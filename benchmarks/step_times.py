@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.scheduler.step_times import BUCKETS  # noqa: E402
 
 _LINE = re.compile(r'^dsctl_step_seconds_(bucket|sum|count)\{kind="(\w+)"(?:,le="([^"]+)")?\} (\S+)$')
 
@@ -35,7 +39,7 @@ def quantile_bound(buckets: list[tuple[str, float]], q: float) -> str:
     total = buckets[-1][1]
     for le, cum in buckets:
         if total and cum >= q * total:
-            return "> 5 s" if le == "+Inf" else f"<= {float(le) * 1e3:g} ms"
+            return f"> {BUCKETS[-1]:g} s" if le == "+Inf" else f"<= {float(le) * 1e3:g} ms"
     return "-"
 
 
