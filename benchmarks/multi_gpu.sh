@@ -8,6 +8,9 @@
 #   check        V2-Lite (27 layers, dummy bf16): greedy tokens of every layout vs tp1, CUDA graphs off and on
 #   fp32         the same in float32 (tf32 dots): log-probs agree closely, so tokens should match tp1's
 #   compile      CUDA graphs + torch.compile, every layout vs tp1 eager, at COMPILE_LAYERS layers (compile time grows with depth)
+#   compile4     the same rows (tp1 tp2 tp2-dp2 tp2-ep2) on a 4-GPU host, two pairs of GPUs at once; COMPILE_MRR=N caps
+#                the running requests so every decode step replays a compiled graph size; COMPILE_DTYPE=float32
+#                with TIE_GAP=0.02 for the close check (bf16 at 27 layers diverges at gaps up to ~0.1 in any layout)
 #   v3fit        DeepSeek-V3 dummy FP8 at the deepest truncation every tp>1 layout holds: runs, tokens vs tp2
 #   v3control    the control for v3fit: tp2 against itself run one request at a time (another batch composition),
 #                at V3_LAYERS layers (default: fit), so FP8 rounding noise can be told from a wrong shard
@@ -61,6 +64,22 @@ stage_compile() {  # reference: tp1 eager; then every layout with graphs + compi
     python3 benchmarks/multi_gpu_check.py "${common[@]}" "$f" --layouts "$(comma $LAYOUTS)" --modes graph+compile \
         --compile-max-bs "$COMPILE_MAX_BS" 2>> "$OUT/check-compile.log" > /dev/null
     python3 benchmarks/multi_gpu_check.py --from-jsonl "$f"
+}
+
+stage_compile4() {  # `compile` on a 4-GPU host: two chains of runs on GPUs 0,1 and 2,3 at once (same rows, half the wall)
+    local d="$OUT/compile4" mrr=() c=(--model deepseek-v2-lite --num-layers "$COMPILE_LAYERS" --compile-max-bs "$COMPILE_MAX_BS")
+    [ -n "${COMPILE_MRR:-}" ] && mrr=(--engine-flag "max_running_requests=$COMPILE_MRR")  # keep decode batches compiled
+    [ -n "${COMPILE_DTYPE:-}" ] && c+=(--dtype "$COMPILE_DTYPE")  # float32: rounding small enough to expect tp1's tokens
+    mkdir -p "$d"; rm -f "$d"/*.jsonl
+    run() { local gpus=$1 name=$2; shift 2
+            CUDA_VISIBLE_DEVICES=$gpus python3 benchmarks/multi_gpu_check.py "${c[@]}" "${mrr[@]}" "$@" \
+                --result-file "$d/$name.jsonl" > /dev/null 2> "$d/$name.log" || echo "compile4 $name failed: $(tail -1 "$d/$name.log")"; }
+    { { run 0 ref --layouts tp1 --modes eager & run 1 tp1 --layouts tp1 --modes graph+compile & wait; }
+      run 0,1 dp2 --layouts tp2-dp2 --modes graph+compile; } &
+    { run 2,3 tp2 --layouts tp2 --modes graph+compile; run 2,3 ep2 --layouts tp2-ep2 --modes graph+compile; } &
+    wait
+    cat "$d"/ref.jsonl "$d"/tp1.jsonl "$d"/tp2.jsonl "$d"/dp2.jsonl "$d"/ep2.jsonl 2>/dev/null > "$OUT/check-compile.jsonl"
+    python3 benchmarks/multi_gpu_check.py --from-jsonl "$OUT/check-compile.jsonl" --tie-gap "${TIE_GAP:-0.05}"
 }
 
 stage_v3fit() {

@@ -30,7 +30,7 @@ from engine.model.backends import ATTENTION_BACKENDS, MOE_BACKENDS, BackendSetup
 from engine.model.context import ForwardContext
 from engine.model.rope import RotaryEmbedding
 from engine.resolve import ResolvedModel, resolve_model
-from engine.triton_precompile import compile_in_background, default_workers, fresh_process, record
+from engine.triton_precompile import LateCompileLog, compile_in_background, default_workers, fresh_process, record
 from kernels import tuned_configs
 from kernels.fp8_math import WEIGHT_BLOCK
 from kernels.interpret import interpreting
@@ -127,6 +127,9 @@ class ModelRunner:
                 self.build_graph_runner(list(self.setup.graph_batch_sizes))
         if prefill_kernels:
             self.prefill_compiles = compile_in_background(prefill_kernels, workers)
+        self.late_compiles = LateCompileLog()
+        if self.device.type == "cuda":
+            self.late_compiles.install()  # from here on a compile stalls a step: say which and how long
         self._report(phases)
 
     def _report(self, phases: dict[str, float]) -> None:

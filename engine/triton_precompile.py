@@ -247,3 +247,34 @@ def compile_in_background(specs: list[Specialisation], workers: int) -> Backgrou
     log.info("Triton precompile of prefill kernels: %d found, %d not in the cache, compiling in the background",
              len(specs), len(missing))
     return compiles
+
+
+class LateCompileLog:
+    """After start-up, every Triton specialisation this process compiles (or loads from the disk cache and
+    builds a launcher for) stalls the step that launched it. `install` hooks Triton's compile calls and
+    logs each one with its time: a warning from `warn_ms`, else at debug level. `count` / `seconds` sum
+    them (what a serving benchmark's outlier steps can be checked against)."""
+
+    def __init__(self, warn_ms: float = 100.0):
+        self.warn_ms, self.count, self.seconds = warn_ms, 0, 0.0
+        self._started: dict[int, float] = {}
+
+    def install(self) -> None:
+        from triton import knobs
+
+        knobs.runtime.jit_cache_hook = self._before
+        knobs.runtime.jit_post_compile_hook = self._after
+
+    def _before(self, *, fn, **_ignored) -> bool:
+        self._started[id(fn.jit_function)] = time.perf_counter()
+        return False  # compile it as usual
+
+    def _after(self, *, fn, repr, **_ignored) -> None:
+        started = self._started.pop(id(fn.jit_function), None)
+        if started is None:
+            return
+        ms = (time.perf_counter() - started) * 1e3
+        self.count, self.seconds = self.count + 1, self.seconds + ms / 1e3
+        level = logging.WARNING if ms >= self.warn_ms else logging.DEBUG
+        log.log(level, "Triton compiled %s while serving: %.0f ms in the step that launched it (%s)",
+                fn.name, ms, repr)

@@ -10,7 +10,8 @@
 3. weights come from the checkpoint, each rank reading only its slices
    (engine/weights/loader.py), or are dummy weights equal to the rank's slice of the TP-1
    dummy weights (engine/weights/dummy.py);
-4. MLA's absorbed w_kc / w_vc are derived from the rank's kv_b_proj heads.
+4. MLA's absorbed w_kc / w_vc are derived from the rank's kv_b_proj heads, and each dense MLP's
+   gate and up projections are stacked into one (`MLP.merge_gate_up`).
 
 The MTP/NextN layer is built when the config has one and the checkpoint ships it (dummy
 weights always have it), with its own KV-cache layer right after the decoder layers.
@@ -26,7 +27,7 @@ import torch
 from engine.config import ModelConfig
 from engine.distributed.groups import TPGroup
 from engine.model.deepseek import DeepseekForCausalLM, MTPLayer
-from engine.model.layers import solo_group
+from engine.model.layers import MLP, solo_group
 from kernels.fp8_math import WEIGHT_BLOCK
 
 
@@ -93,8 +94,10 @@ def build_model(config: ModelConfig, num_layers: int, dtype: torch.dtype, device
         block = (config.fp8.block_n, config.fp8.block_k) if config.fp8 is not None else fp8_block or WEIGHT_BLOCK
         load_checkpoint(modules, Path(checkpoint), config, num_layers, block, tp)
     for mod in modules.values():
-        for m in mod.modules():
+        for m in list(mod.modules()):
             if hasattr(m, "absorb"):
                 m.absorb()
+            if isinstance(m, MLP):
+                m.merge_gate_up()
         mod.eval()
     return model, mtp_layer

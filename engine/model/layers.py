@@ -113,17 +113,43 @@ class MLP(nn.Module):
 
     Under TP, gate / up hold this rank's `inter / tp` rows and down the matching columns, so the
     output is a partial sum: `reduce` sums it over the group (a dense layer); the MoE's shared
-    experts pass reduce=False and are summed together with the routed experts."""
+    experts pass reduce=False and are summed together with the routed experts.
+
+    Weights load into gate_proj / up_proj (the checkpoint's tensors, sliced per rank); `merge_gate_up`
+    (run by the model builder after loading) then stacks them into one gate_up_proj of 2 x local rows,
+    so a forward runs one GEMM (one FP8 activation quantisation) instead of two, with the shape the
+    tuned configs are made for (tuning/shapes.py: "mlp.gate_up_proj")."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, fp8_block=None,
                  tp: Optional[TPGroup] = None, reduce: bool = True):
         super().__init__()
         self.tp, self.reduce = tp or solo_group(), reduce
-        local = tp_local(inter, self.tp, "MLP intermediate size")
+        self.local = local = tp_local(inter, self.tp, "MLP intermediate size")
         self.gate_proj = Linear(hidden, local, dtype, fp8_block)
         self.up_proj = Linear(hidden, local, dtype, fp8_block)
         self.down_proj = Linear(local, hidden, dtype, fp8_block)
+        self.gate_up_proj: Optional[Linear] = None
+
+    def merge_gate_up(self) -> None:
+        """Replace gate_proj and up_proj by one gate_up_proj holding both (gate rows first). FP8 weights
+        merge when the rows are whole scale blocks (every shape that runs FP8: check_model_divisible)."""
+        gate, up = self.gate_proj, self.up_proj
+        block = gate.fp8_block
+        if block is not None and self.local % block[0]:
+            return  # a scale block would straddle the two halves: keep them apart
+        with torch.device("meta"):  # shapes only: the parameters are replaced just below
+            merged = Linear(gate.in_features, 2 * self.local, gate.weight.dtype, block)
+        merged.weight = nn.Parameter(torch.cat([gate.weight, up.weight]), requires_grad=False)
+        if block is not None:
+            merged.weight_scale_inv = nn.Parameter(torch.cat([gate.weight_scale_inv, up.weight_scale_inv]),
+                                                   requires_grad=False)
+        del self.gate_proj, self.up_proj
+        self.gate_up_proj = merged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.local, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        out = self.down_proj(F.silu(gate) * up)
         return comm.all_reduce(out, self.tp) if self.reduce else out

@@ -36,6 +36,26 @@ class Case:
         return f"{self.model}-{self.attention}-{self.moe}{'-w8a8' if self.keep_fp8 else ''}"
 
 
+def params_by_checkpoint_name(model, mtp) -> dict[str, torch.Tensor]:
+    """Every parameter of a built (model, MTP layer), an MLP's merged gate_up_proj given back as the
+    gate_proj and up_proj halves it was loaded as (MLP.merge_gate_up merges only where the rank's rows are
+    whole FP8 blocks, so whether a layer is merged can differ between TP sizes)."""
+    from engine.weights.loader import iter_params
+
+    out = {}
+    for name, p in iter_params({"": model, "mtp.": mtp} if mtp is not None else {"": model}):
+        for merged, halves in ((".gate_up_proj.weight", ".{}_proj.weight"),
+                               (".gate_up_proj.weight_scale_inv", ".{}_proj.weight_scale_inv")):
+            if name.endswith(merged):
+                gate, up = p.chunk(2, dim=0)
+                stem = name[: -len(merged)]
+                out[stem + halves.format("gate")], out[stem + halves.format("up")] = gate, up
+                break
+        else:
+            out[name] = p
+    return out
+
+
 def _checkpoint(alias: str):
     from engine.config import parse_config
     from engine.models import lookup

@@ -22,7 +22,7 @@ from engine.model.builder import build_model, make_modules
 from engine.weights.loader import iter_params
 from engine.weights.sharding import group_spec, is_scale, weight_name
 from kernels.fp8_math import FP8_DTYPE
-from tests.distributed.model_tp_targets import _checkpoint
+from tests.distributed.model_tp_targets import _checkpoint, params_by_checkpoint_name
 from tests.distributed.test_model_tp import _CountingFile
 
 BLOCK = (128, 128)
@@ -41,7 +41,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _params(model, mtp) -> dict[str, torch.Tensor]:
-    return dict(iter_params({"": model, "mtp.": mtp} if mtp is not None else {"": model}))
+    return params_by_checkpoint_name(model, mtp)
 
 
 def _expected(name: str, full: dict, group: TPGroup, block):

@@ -36,7 +36,14 @@ from engine.model.builder import build_model, make_modules
 from engine.weights.loader import iter_params
 from engine.weights.sharding import is_scale, shard_spec, split_kind, weight_name
 from kernels.fp8_math import FP8_DTYPE
-from tests.distributed.model_tp_targets import Case, _checkpoint, load_rank_outputs, rank_main, run_workload
+from tests.distributed.model_tp_targets import (
+    Case,
+    _checkpoint,
+    load_rank_outputs,
+    params_by_checkpoint_name,
+    rank_main,
+    run_workload,
+)
 
 ATOL = 5e-5
 BLOCK = (128, 128)
@@ -54,7 +61,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _params(model, mtp) -> dict[str, torch.Tensor]:
-    return dict(iter_params({"": model, "mtp.": mtp} if mtp is not None else {"": model}))
+    return params_by_checkpoint_name(model, mtp)
 
 
 def _expected_slice(name, full: dict, rank: int, tp: int, block):

@@ -10,7 +10,7 @@ import pytest
 
 from engine.args import EngineArgs
 from engine.errors import UsageError
-from engine.triton_precompile import BackgroundCompiles, Specialisation, compile_all, default_workers
+from engine.triton_precompile import BackgroundCompiles, LateCompileLog, Specialisation, compile_all, default_workers
 
 
 def test_flag_rejects_negative_workers():
@@ -60,3 +60,29 @@ def test_a_process_with_background_compiles_exits_at_once(tmp_path, compiling, c
         proc.kill()
     assert not alive, "the process waited for its background compiles at exit"
     assert proc.exitcode == 0
+
+
+def test_late_compiles_are_logged_with_their_time(caplog, monkeypatch):
+    """The installed hooks, called as Triton calls them around an in-process compile: the compile goes ahead
+    (the cache hook returns False), a slow one is a warning naming the kernel, a fast one only debug."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    clock = iter([10.0, 10.25, 20.0, 20.01])
+    monkeypatch.setattr("engine.triton_precompile.time.perf_counter", lambda: next(clock))
+    late = LateCompileLog(warn_ms=100)
+    late.install()
+    slow, fast = (SimpleNamespace(name=n, jit_function=object()) for n in ("_extend_fwd", "_rms_norm"))
+    with caplog.at_level(logging.DEBUG, logger="engine.triton_precompile"):
+        for fn in (slow, fast):
+            assert knobs.runtime.jit_cache_hook(key=0, repr="r", fn=fn, compile={}, is_manual_warmup=False,
+                                                already_compiled=False) is False
+            knobs.runtime.jit_post_compile_hook(key=0, repr="r", fn=fn, compile={}, is_manual_warmup=False,
+                                                already_compiled=False)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "_extend_fwd" in warnings[0].getMessage() and "250 ms" in warnings[0].getMessage()
+    assert any(r.levelno == logging.DEBUG and "_rms_norm" in r.getMessage() for r in caplog.records)
+    assert late.count == 2 and abs(late.seconds - 0.26) < 1e-9
