@@ -93,6 +93,12 @@ def build_model(config: ModelConfig, num_layers: int, dtype: torch.dtype, device
 
         block = (config.fp8.block_n, config.fp8.block_k) if config.fp8 is not None else fp8_block or WEIGHT_BLOCK
         load_checkpoint(modules, Path(checkpoint), config, num_layers, block, tp)
+    derive_weights(modules)
+    return model, mtp_layer
+
+
+def derive_weights(modules: dict[str, torch.nn.Module]) -> None:
+    """After loading: MLA's absorbed w_kc / w_vc, each MLP's stacked gate_up_proj; eval mode."""
     for mod in modules.values():
         for m in list(mod.modules()):
             if hasattr(m, "absorb"):
@@ -100,4 +106,3 @@ def build_model(config: ModelConfig, num_layers: int, dtype: torch.dtype, device
             if isinstance(m, MLP):
                 m.merge_gate_up()
         mod.eval()
-    return model, mtp_layer

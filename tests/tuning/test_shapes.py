@@ -73,3 +73,24 @@ def test_batch_sizes():
 def test_unknown_model():
     with pytest.raises(UsageError, match="neither"):
         load_model_config("no-such-model-xyz")
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_gemm_shapes_are_the_shapes_the_engine_runs(v3, tp):
+    """Every block-FP8 Linear of a built V3 rank (on the meta device, after the post-load step that merges
+    gate and up) has an (N, K) that gemm_shapes lists, and the other way round: a tuned file then serves each
+    GEMM the engine launches (the dense gate / up once ran unmerged and never found their merged files)."""
+    import torch
+
+    from engine.distributed.groups import TPGroup
+    from engine.model.builder import derive_weights, make_modules
+    from engine.model.layers import Linear
+
+    cfg = v3.with_num_layers(4)  # three dense layers and one MoE layer: every linear shape of the model
+    group = TPGroup(rank=0, size=tp, ranks=tuple(range(tp)))
+    with torch.device("meta"):
+        modules = make_modules(cfg, cfg.num_hidden_layers, torch.bfloat16, (128, 128), group, mtp=False)
+        derive_weights(modules)  # meta tensors: absorb's views and the merge's cat need no values
+    run = {tuple(m.weight.shape) for m in modules[""].modules() if isinstance(m, Linear) and m.fp8_block is not None}
+    listed = {(s.N, s.K) for s in gemm_shapes(v3, tp)}
+    assert run == listed
