@@ -2,8 +2,10 @@
 
 A step's time is measured where its results are read on the host (for a launched step, when its
 sampled tokens are resolved): from the later of its launch and the previous step's completion to its
-own completion. With the overlap scheduler a step is launched while the one before still runs, so this
-is the time the device spent on it plus any host work it waited for; it is also the gap a running
+own completion. With the overlap scheduler a step is launched while the one before still runs, and its
+results are read only once the next step is launched: a step's time is the device time spent on it plus
+the host work it waited for, including the launch of the step after it (so the cost of a launch-bound eager
+step, e.g. a deep model's prefill chunk, shows mostly in the step before it). It is the gap a running
 stream sees between two tokens when that step carries them. Kinds: "decode", "extend" (prefill
 chunks only), "mixed" (prefill chunks with decodes riding along), "spec" (a speculative step, timed
 around its synchronous run).
