@@ -120,7 +120,7 @@ class SpecDecoder:
         for r in [r for r in reqs if len(r.spec.parts) > 1] + [None]:
             n = 0 if r is None else len(r.spec.parts) - 1
             if group and (r is None or rows + n > max_rows):
-                decode_draft(self.runner, catch_up_pending(group, self.runner.device))
+                decode_draft(self.runner, catch_up_pending(group, self.runner.device), every_row_logits=False)
                 for g in group:
                     g.spec.mtp_len, g.spec.parts = g.kv_len - 1, g.spec.parts[-1:]
                 group, rows = [], 0

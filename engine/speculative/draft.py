@@ -38,14 +38,18 @@ def extend_draft(runner, rows: list[int], starts: list[int], tokens: list[list[i
     return runner.forward_mtp(fb)
 
 
-def decode_draft(runner, pending: Pending) -> ForwardOutput:
+def decode_draft(runner, pending: Pending, every_row_logits: bool = True) -> ForwardOutput:
     """`extend_draft` as a decode-mode batch, for a decode step's few pending positions: one row per
     position (its request's table row, sequence length position + 1; the MTP layer writes every row's KV
-    before attending), so the MTP layer's CUDA graphs run it. Logits for every row."""
+    before attending), so the MTP layer's CUDA graphs run it. Logits for every row, or (every_row_logits
+    False: a catch-up wants only the KV) for each request's last row where it runs eagerly; a CUDA graph
+    computes its rows' logits either way."""
     p = pending
     slots = runner.req_to_token.table[p.rows, p.positions].to(torch.int64)
     fb = tree_batch(p.ids, p.positions, slots, p.host_seq_lens, p.index, runner.max_model_len,
                     max(p.host_seq_lens, default=1) - 1, req_rows=p.rows, spec_hidden=p.hidden)
+    if not every_row_logits:
+        fb.logits_indices = p.last
     return runner.forward_mtp(fb)
 
 
