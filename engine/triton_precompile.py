@@ -269,7 +269,7 @@ class LateCompileLog:
         self._started[id(fn.jit_function)] = time.perf_counter()
         return False  # compile it as usual
 
-    def _after(self, *, fn, repr, **_ignored) -> None:
+    def _after(self, *, fn, compile=None, **_ignored) -> None:
         started = self._started.pop(id(fn.jit_function), None)
         if started is None:
             return
@@ -277,4 +277,22 @@ class LateCompileLog:
         self.count, self.seconds = self.count + 1, self.seconds + ms / 1e3
         level = logging.WARNING if ms >= self.warn_ms else logging.DEBUG
         log.log(level, "Triton compiled %s while serving: %.0f ms in the step that launched it (%s)",
-                fn.name, ms, repr)
+                fn.name, ms, describe_specialisation((compile or {}).get("specialization_data", "")))
+
+
+def describe_specialisation(data: str) -> str:
+    """Triton's serialised specialisation (JSON) in one line: the integer / pointer arguments it treats as
+    divisible by 16 (what tells two launches of one kernel apart, besides the constexprs), then the
+    constexprs. Empty when `data` cannot be read."""
+    import json
+
+    try:
+        spec = json.loads(data)
+        names = list(spec["signature"])
+        aligned = [names[k[0]] for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])
+                   if any(a[0] == "tt.divisibility" for a in v)]
+        consts = [f"{names[k[0]]}={v['constexpr'] if isinstance(v, dict) and 'constexpr' in v else v}"
+                  for k, v in zip(spec["constant_keys"], spec["constant_vals"])]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return ""
+    return f"divisible by 16: {', '.join(aligned) or '-'}; constants: {', '.join(consts) or '-'}"

@@ -67,7 +67,9 @@ def test_late_compiles_are_logged_with_their_time(caplog, monkeypatch):
     (the cache hook returns False), a slow one is a warning naming the kernel, a fast one only debug."""
     from types import SimpleNamespace
 
+    import triton.language as tl
     from triton import knobs
+    from triton.runtime.jit import serialize_specialization_data
 
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
@@ -76,13 +78,18 @@ def test_late_compiles_are_logged_with_their_time(caplog, monkeypatch):
     late = LateCompileLog(warn_ms=100)
     late.install()
     slow, fast = (SimpleNamespace(name=n, jit_function=object()) for n in ("_extend_fwd", "_rms_norm"))
+    data = serialize_specialization_data("_extend_fwd", {"q_ptr": "*bf16", "n": "i32", "BLOCK": "constexpr"},
+                                         {(2,): tl.constexpr(64)}, {(0,): [["tt.divisibility", 16]]},
+                                         SimpleNamespace(num_warps=8), "key", SimpleNamespace(backend="cuda"))
     with caplog.at_level(logging.DEBUG, logger="engine.triton_precompile"):
         for fn in (slow, fast):
-            assert knobs.runtime.jit_cache_hook(key=0, repr="r", fn=fn, compile={}, is_manual_warmup=False,
+            compile = {"specialization_data": data}
+            assert knobs.runtime.jit_cache_hook(key=0, repr="r", fn=fn, compile=compile, is_manual_warmup=False,
                                                 already_compiled=False) is False
-            knobs.runtime.jit_post_compile_hook(key=0, repr="r", fn=fn, compile={}, is_manual_warmup=False,
+            knobs.runtime.jit_post_compile_hook(key=0, repr="r", fn=fn, compile=compile, is_manual_warmup=False,
                                                 already_compiled=False)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "_extend_fwd" in warnings[0].getMessage() and "250 ms" in warnings[0].getMessage()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "_extend_fwd" in warnings[0] and "250 ms" in warnings[0]
+    assert "divisible by 16: q_ptr; constants: BLOCK=64" in warnings[0]  # what tells this specialisation apart
     assert any(r.levelno == logging.DEBUG and "_rms_norm" in r.getMessage() for r in caplog.records)
     assert late.count == 2 and abs(late.seconds - 0.26) < 1e-9
