@@ -40,7 +40,6 @@ from typing import Optional, Sequence
 import torch
 
 _REPLICATED, _ROWS, _COLS, _VOCAB, _W13, _W2 = "replicated", "rows", "cols", "vocab", "w13", "w2"
-_GATE_UP = "gate_up"  # an MLP's merged [gate; up] rows (MLP.merge_gate_up): each half split by rows
 
 _TOP = {
     "embed_tokens": _VOCAB,
@@ -67,11 +66,9 @@ _LAYER = {
     "mlp.gate_proj.weight": _ROWS,
     "mlp.up_proj.weight": _ROWS,
     "mlp.down_proj.weight": _COLS,
-    "mlp.gate_up_proj.weight": _GATE_UP,
     "mlp.shared_experts.gate_proj.weight": _ROWS,
     "mlp.shared_experts.up_proj.weight": _ROWS,
     "mlp.shared_experts.down_proj.weight": _COLS,
-    "mlp.shared_experts.gate_up_proj.weight": _GATE_UP,
     "mlp.gate_weight": _REPLICATED,
     "mlp.e_score_correction_bias": _REPLICATED,
     "mlp.w13": _W13,
@@ -115,7 +112,7 @@ def weight_name(scale_name: str) -> str:
 
 
 def split_kind(name: str) -> str:
-    """How TP splits our parameter `name`: replicated, rows, cols, vocab, w13, w2 or gate_up (KeyError if unknown)."""
+    """How TP splits our parameter `name`: replicated, rows, cols, vocab, w13 or w2 (KeyError if unknown)."""
     if is_scale(name):
         name = weight_name(name)
     key = name[len("mtp."):] if name.startswith("mtp.") and not name.startswith("mtp.layer.") else name
@@ -131,8 +128,8 @@ def _weight_spec(kind: str, name: str, shape: Sequence[int], tp_rank: int, tp_si
     nd = len(shape)
     if kind == _VOCAB:
         dim, pieces = 0, 1
-    elif kind in (_ROWS, _W13, _GATE_UP):
-        dim, pieces = nd - 2, (2 if (kind == _W13 and nd == 3) or kind == _GATE_UP else 1)
+    elif kind in (_ROWS, _W13):
+        dim, pieces = nd - 2, (2 if kind == _W13 and nd == 3 else 1)
     else:
         dim, pieces = nd - 1, 1
     if nd < 1 or dim < 0:

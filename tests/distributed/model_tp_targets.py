@@ -14,6 +14,7 @@ greedy tokens fed back are broadcast from rank 0, as the engine does.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,13 +45,9 @@ def params_by_checkpoint_name(model, mtp) -> dict[str, torch.Tensor]:
 
     out = {}
     for name, p in iter_params({"": model, "mtp.": mtp} if mtp is not None else {"": model}):
-        for merged, halves in ((".gate_up_proj.weight", ".{}_proj.weight"),
-                               (".gate_up_proj.weight_scale_inv", ".{}_proj.weight_scale_inv")):
-            if name.endswith(merged):
-                gate, up = p.chunk(2, dim=0)
-                stem = name[: -len(merged)]
-                out[stem + halves.format("gate")], out[stem + halves.format("up")] = gate, up
-                break
+        m = re.fullmatch(r"(.*)\.gate_up_proj\.(weight|weight_scale_inv)", name)
+        if m:
+            out[f"{m[1]}.gate_proj.{m[2]}"], out[f"{m[1]}.up_proj.{m[2]}"] = p.chunk(2, dim=0)
         else:
             out[name] = p
     return out

@@ -40,10 +40,6 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
 
 
-def _params(model, mtp) -> dict[str, torch.Tensor]:
-    return params_by_checkpoint_name(model, mtp)
-
-
 def _expected(name: str, full: dict, group: TPGroup, block):
     wshape = full[weight_name(name)].shape if is_scale(name) else None
     spec = group_spec(name, full[name].shape, group, block, wshape)
@@ -70,7 +66,7 @@ def test_each_ep_rank_loads_exactly_its_experts(alias, block, monkeypatch):
     import engine.weights.loader as loader
 
     path, cfg = _checkpoint(alias)
-    full = _params(*build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, checkpoint=path))
+    full = params_by_checkpoint_name(*build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, checkpoint=path))
     monkeypatch.setattr(loader, "safe_open", lambda *a, **k: _Reads(safe_open(*a, **k)))
     for ep in (2, 4):
         per = cfg.n_routed_experts // ep
@@ -78,7 +74,7 @@ def test_each_ep_rank_loads_exactly_its_experts(alias, block, monkeypatch):
             _CountingFile.elements, _Reads.experts = 0, set()
             group = _group(rank, ep, ep=ep)
             model, mtp = build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, group, checkpoint=path)
-            local = _params(model, mtp)
+            local = params_by_checkpoint_name(model, mtp)
             assert local.keys() == full.keys()
             for name, p in local.items():
                 want = _expected(name, full, group, block)
@@ -98,13 +94,13 @@ def test_each_ep_rank_loads_exactly_its_experts(alias, block, monkeypatch):
 ])
 def test_dummy_weights_are_slices_of_tp1_dummy_weights(alias, block, size, ep, dp):
     _, cfg = _checkpoint(alias)
-    full = _params(*build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, seed=11))
+    full = params_by_checkpoint_name(*build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, seed=11))
     for rank in range(size):
         group = _group(rank, size, ep=ep, dp=dp)
         model, mtp = build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, group, seed=11)
         heads = cfg.num_attention_heads // (size // dp)
         assert model.layers[0].self_attn.num_heads == heads
-        for name, p in _params(model, mtp).items():
+        for name, p in params_by_checkpoint_name(model, mtp).items():
             want = _expected(name, full, group, block)
             assert p.shape == want.shape and torch.equal(_bytes(p), _bytes(want)), (alias, rank, name)
 

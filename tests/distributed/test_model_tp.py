@@ -60,10 +60,6 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
 
 
-def _params(model, mtp) -> dict[str, torch.Tensor]:
-    return params_by_checkpoint_name(model, mtp)
-
-
 def _expected_slice(name, full: dict, rank: int, tp: int, block):
     wshape = full[weight_name(name)].shape if is_scale(name) else None
     spec = shard_spec(name, full[name].shape, rank, tp, block, wshape)
@@ -150,7 +146,7 @@ def test_each_rank_loads_exactly_its_slices(alias, block, monkeypatch):
 
     path, cfg = _checkpoint(alias)
     full_model, full_mtp = build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, checkpoint=path)
-    full = _params(full_model, full_mtp)
+    full = params_by_checkpoint_name(full_model, full_mtp)
     fp8_kept = {n for n, p in full.items() if p.dtype == FP8_DTYPE}
     assert bool(fp8_kept) == (block is not None) and (block is None or "layers.1.mlp.w13_scale" in full)
     monkeypatch.setattr(loader, "safe_open", lambda *a, **k: _CountingFile(safe_open(*a, **k)))
@@ -159,7 +155,7 @@ def test_each_rank_loads_exactly_its_slices(alias, block, monkeypatch):
             _CountingFile.elements = 0
             model, mtp = build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, _group(rank, tp),
                                      checkpoint=path)
-            local = _params(model, mtp)
+            local = params_by_checkpoint_name(model, mtp)
             assert local.keys() == full.keys()
             for name, p in local.items():
                 want = _expected_slice(name, full, rank, tp, block)
@@ -179,16 +175,16 @@ def test_each_rank_loads_exactly_its_slices(alias, block, monkeypatch):
 def test_dummy_weights_at_tp_are_slices_of_tp1_dummy_weights(alias, block):
     _, cfg = _checkpoint(alias)
     full_model, full_mtp = build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, seed=11)
-    full = _params(full_model, full_mtp)
+    full = params_by_checkpoint_name(full_model, full_mtp)
     assert full_mtp.embed_tokens is full_model.embed_tokens and full_mtp.head is full_model.lm_head
-    other = _params(*build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, seed=12))
+    other = params_by_checkpoint_name(*build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, seed=12))
     assert not torch.equal(_bytes(other["layers.1.mlp.w2"]), _bytes(full["layers.1.mlp.w2"]))  # seeded
     assert full["layers.0.input_layernorm.weight"].std() > 0.05  # not constant
     for tp in (2, 4):
         for rank in range(tp):
             model, mtp = build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, _group(rank, tp),
                                      seed=11)
-            for name, p in _params(model, mtp).items():
+            for name, p in params_by_checkpoint_name(model, mtp).items():
                 want = _expected_slice(name, full, rank, tp, block)
                 assert p.shape == want.shape and torch.equal(_bytes(p), _bytes(want)), (alias, tp, rank, name)
 
