@@ -10,7 +10,11 @@ taken with the spec step (draft KV extend + draft tree + one verify forward + ac
 configured) and, on the same engine with speculation detached, with the plain decode step. A spec step
 that emits L tokens per request on average runs at L * t_decode / t_spec times plain decode speed; the
 table gives that at L = 2.0 / 2.5 / 3.0 (dummy weights have a random MTP layer, so their measured
-acceptance means nothing; a step's cost does not depend on it).
+acceptance means nothing; a step's cost does not depend on it). The sweep runs --repeats times and each
+row keeps its minimum (the spread column: max / min - 1 of decode / spec). --routing same repeats the
+sweep with every token routed to the same experts (class Routing): dummy routers send each tree node to
+experts of its own, so a verify reads up to nodes x top-k experts where decode reads top-k; real routers
+lie between the two.
 
 A 5-layer model pays for the MTP layer (one decoder layer plus the LM head, per draft forward) against
 only 5 target layers. --project FILE (this script's --json of the same model at another depth) fits
@@ -48,10 +52,40 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.engine import Engine  # noqa: E402
+from engine.model.moe import MoE  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.speculative.stats import SpecStats  # noqa: E402
 
 LENGTHS = (2.0, 2.5, 3.0)
+
+
+class Routing:
+    """The dummy router of every MoE layer (the MTP layer's too), switched between its random weights
+    ("random": each token to k experts of its own, so a verify of n tree nodes reads up to n x k experts
+    where decode reads k) and "same" (gate weights zeroed, a fixed random correction bias picks the
+    experts: every token to the same k, so a tree's nodes read no expert that decode does not). Real
+    routers lie between: consecutive tokens of one text share part of their experts. The parameters are
+    written in place, so captured CUDA graphs read the new values."""
+
+    def __init__(self, eng):
+        parts = [m for m in (eng.runner.model, eng.runner.mtp) if m is not None]
+        self.moes = [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+        self.saved = [(m.gate_weight.detach().clone(), None if m.e_score_correction_bias is None
+                       else m.e_score_correction_bias.detach().clone()) for m in self.moes]
+
+    def set(self, mode: str) -> None:
+        g = torch.Generator().manual_seed(0)
+        for m, (weight, bias) in zip(self.moes, self.saved):
+            if mode == "random":
+                m.gate_weight.data.copy_(weight)
+                if bias is not None:
+                    m.e_score_correction_bias.data.copy_(bias)
+            elif mode == "same":
+                m.gate_weight.data.zero_()
+                if bias is not None:  # without one, equal scores pick the same (first) experts anyway
+                    m.e_score_correction_bias.data.copy_(torch.randn(bias.shape, generator=g))
+            else:
+                raise ValueError(f"unknown routing {mode!r}")
 
 
 def _sync():
@@ -275,34 +309,59 @@ def _breakdown(rows: list[tuple[int, str, dict]]) -> list[str]:
     return lines
 
 
+def measure_costs(eng, routing: Routing, a) -> list[dict]:
+    """Step costs per routing, batch size and tree: the whole sweep --repeats times, each row's minimum over
+    the repeats (the spread, max / min - 1, says how much the repeats differed)."""
+    runs: dict[tuple, list[tuple[float, float]]] = {}
+    for _ in range(a.repeats):
+        for mode in a.routing:
+            routing.set(mode)
+            for bs in a.batch_size:
+                decode = step_cost(eng, bs, a.input_len, a.steps)
+                for tree in a.trees:
+                    spec = step_cost(eng, bs, a.input_len, a.steps, tree)
+                    runs.setdefault((mode, tuple(tree), bs), []).append((decode, spec))
+    costs = []
+    for (mode, tree, bs), times in runs.items():
+        d, s = [t[0] for t in times], [t[1] for t in times]
+        costs.append(dict(routing=mode, tree=list(tree), bs=bs, decode_ms=min(d) * 1e3, spec_ms=min(s) * 1e3,
+                          decode_spread=max(d) / min(d) - 1, spec_spread=max(s) / min(s) - 1))
+    return costs
+
+
 def _parse_tree(text: str) -> tuple[int, int, int]:
     steps, topk, nodes = (int(x) for x in text.split(","))
     return steps, topk, nodes
 
 
 def _cost_table(costs: list[dict], title: str) -> list[str]:
-    lines = [title, f"{'tree':>8} {'batch':>5} {'decode ms':>10} {'spec ms':>10} {'ratio':>6} " +
-             " ".join(f"{'L=' + str(L):>7}" for L in LENGTHS)]
+    lines = [title, f"{'routing':>7} {'tree':>8} {'batch':>5} {'decode ms':>10} {'spec ms':>10} {'ratio':>6} " +
+             " ".join(f"{'L=' + str(L):>7}" for L in LENGTHS) + f" {'spread':>11}"]
     for c in costs:
         tree = "x".join(map(str, c["tree"]))
-        lines.append(f"{tree:>8} {c['bs']:>5} {c['decode_ms']:>10.2f} {c['spec_ms']:>10.2f} "
-                     f"{c['spec_ms'] / c['decode_ms']:>6.2f} " +
-                     " ".join(f"{L * c['decode_ms'] / c['spec_ms']:>6.2f}x" for L in LENGTHS))
+        spread = (f"{c['decode_spread']:>5.0%}/{c['spec_spread']:<5.0%}" if "decode_spread" in c else "")
+        lines.append(f"{c.get('routing', 'random'):>7} {tree:>8} {c['bs']:>5} {c['decode_ms']:>10.2f} "
+                     f"{c['spec_ms']:>10.2f} {c['spec_ms'] / c['decode_ms']:>6.2f} " +
+                     " ".join(f"{L * c['decode_ms'] / c['spec_ms']:>6.2f}x" for L in LENGTHS) + f" {spread:>11}")
     return lines
 
 
 def _project(costs: list[dict], other: dict, layers: int, full: int) -> list[dict]:
     """Per row, t = a + b * layers through this run's and `other`'s step costs, evaluated at `full` layers."""
-    theirs = {(tuple(c["tree"]), c["bs"]): c for c in other["costs"]}
+    def key(c):
+        return c.get("routing", "random"), tuple(c["tree"]), c["bs"]
+
+    theirs = {key(c): c for c in other["costs"]}
     out = []
     for c in costs:
-        o = theirs.get((tuple(c["tree"]), c["bs"]))
+        o = theirs.get(key(c))
         if o is None or other["num_layers"] == layers:
             continue
         def at_full(key):
             slope = (c[key] - o[key]) / (layers - other["num_layers"])
             return c[key] + slope * (full - layers)
-        out.append(dict(tree=c["tree"], bs=c["bs"], decode_ms=at_full("decode_ms"), spec_ms=at_full("spec_ms")))
+        out.append(dict(routing=c.get("routing", "random"), tree=c["tree"], bs=c["bs"], decode_ms=at_full("decode_ms"),
+                        spec_ms=at_full("spec_ms")))
     return out
 
 
@@ -320,6 +379,12 @@ def main() -> None:
     ap.add_argument("--cuda-graph-bs", default="1,2,4,8,16,32,64,128,256,512,1024")
     ap.add_argument("--enable-torch-compile", action="store_true")
     ap.add_argument("--tok-s-only", action="store_true")
+    ap.add_argument("--cost-only", action="store_true", help="skip the tok/s part")
+    ap.add_argument("--tok-s-batch-size", type=int, nargs="+", help="batch sizes of the tok/s part (default: --batch-size)")
+    ap.add_argument("--repeats", type=int, default=2, help="step-cost sweeps; each row keeps its minimum")
+    ap.add_argument("--routing", nargs="+", choices=("random", "same"), default=["random"],
+                    help="dummy routers for the step costs (class Routing): random (dummy weights as loaded) and/or "
+                         "same (every token to the same experts); the tok/s part uses the first")
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
                     help="--speculative-disable-by-batch-size for the spec-on tok/s runs (plain steps from this batch)")
     ap.add_argument("--json", help="write the measured step costs here (for --project)")
@@ -327,7 +392,7 @@ def main() -> None:
     a = ap.parse_args()
     widest = max(a.trees, key=lambda t: max(t[1], t[2]))  # the engine reserves rows for the widest tree
     flags = dict(model=a.model, load_format=a.load_format, num_layers=a.num_layers,
-                 max_running_requests=max(a.batch_size), max_model_len=a.input_len + a.output_len + 64 * a.steps,
+                 max_running_requests=max(a.batch_size + (a.tok_s_batch_size or [])), max_model_len=a.input_len + a.output_len + 64 * a.steps,
                  chunked_prefill_size=8192, max_prefill_tokens=16384, speculative_algorithm="NEXTN",
                  enable_torch_compile=a.enable_torch_compile, **_tree_flags(widest),
                  speculative_disable_by_batch_size=a.disable_by_batch_size)
@@ -335,15 +400,11 @@ def main() -> None:
         flags["cuda_graph_bs"] = a.cuda_graph_bs
     eng = Engine(**flags)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    costs = []
-    if not a.tok_s_only:
-        for bs in a.batch_size:
-            decode = step_cost(eng, bs, a.input_len, a.steps)
-            for tree in a.trees:
-                costs.append(dict(tree=list(tree), bs=bs, decode_ms=decode * 1e3,
-                                  spec_ms=step_cost(eng, bs, a.input_len, a.steps, tree) * 1e3))
+    routing = Routing(eng)
+    costs = [] if a.tok_s_only else measure_costs(eng, routing, a)
+    routing.set(a.routing[0])
     tok, runs = [], []
-    for bs in a.batch_size:
+    for bs in ([] if a.cost_only else a.tok_s_batch_size or a.batch_size):
         on = tok_s(eng, bs, a.input_len, a.output_len, a.trees[0])
         off = tok_s(eng, bs, a.input_len, a.output_len, None)
         tok.append((bs, off["rate"], on["rate"], on["accepted"]))
@@ -355,7 +416,8 @@ def main() -> None:
     print(f"\n{a.model} ({a.load_format}, {a.num_layers} layers + MTP) on {device}; input {a.input_len}; "
           f"trees steps x topk x nodes; CUDA graphs {'on' if torch.cuda.is_available() else 'off'}"
           f"{', torch.compile' if a.enable_torch_compile else ''}"
-          f"{f', spec off from batch {a.disable_by_batch_size}' if a.disable_by_batch_size else ''}")
+          f"{f', spec off from batch {a.disable_by_batch_size}' if a.disable_by_batch_size else ''}"
+          f"; routing {', '.join(a.routing)}")
     if costs:
         print("\n".join(_cost_table(costs, "\none step, measured: plain decode vs draft + verify, and the speed-up "
                                            "at accepted length L")))
@@ -365,6 +427,8 @@ def main() -> None:
         print("\n".join(_cost_table(_project(costs, other, a.num_layers, full),
                                     f"\nprojected to {full} layers from the {other['num_layers']}- and "
                                     f"{a.num_layers}-layer measurements (t = a + b * layers)")))
+    if a.cost_only:
+        return
     print("\n".join(_breakdown(runs)))  # before the tok/s table, which stays the output's last lines
     print(f"\noutput tok/s (prefill included), {a.output_len} tokens per request, tree "
           f"{'x'.join(map(str, a.trees[0]))}")

@@ -2,8 +2,10 @@
 # Speculative decoding on a lent GPU machine: its GPU tests and the benchmark tables of docs/perf.md.
 #   bash benchmarks/spec_gpu.sh tests        # spec on/off greedy identity under CUDA graphs + torch.compile
 #   bash benchmarks/spec_gpu.sh flashinfer   # the FlashInfer backend's GPU tests (the spec case included)
-#   bash benchmarks/spec_gpu.sh bench tiny   # V3 shapes (3 and 5 layers, projected to 61), trained tiny-py tok/s
+#   bash benchmarks/spec_gpu.sh bench tiny   # V3 shapes (3 and 5 layers, projected to 61; ROUTING="random same"), tiny-py tok/s
 #   bash benchmarks/spec_gpu.sh profile      # where a spec step's time goes (tiny-py batch 8, V3 5 layers batch 1)
+#   bash benchmarks/spec_gpu.sh deep         # H200: V3 at 3 and 11 layers, random vs same routing, projected to 61
+#   bash benchmarks/spec_gpu.sh tp4          # 4 GPUs: bench offline --tp 4, spec off / on (2x1x3), 3 and 21 layers
 # Logs go to $OUT. FlashInfer needs the bundle of benchmarks/flashinfer_bundle.sh in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,16 +21,37 @@ for stage in "$@"; do
                         timeout 300 python3 -m pytest tests/gpu/test_flashinfer.py -q -s -rs -k "spec or graph or used" \
                         2>&1 | tee "$OUT/spec_flashinfer.log" | grep -E "passed|failed|Error|assert" | tail -8 ;;
         bench) TREES=${TREES:-2,4,4 3,1,4 2,1,3}
-               timeout 280 python3 benchmarks/bench_spec.py --num-layers 3 --trees $TREES --json "$OUT/bench_spec_l3.json" \
-                   > "$OUT/bench_spec_l3.log" 2>&1 || tail -5 "$OUT/bench_spec_l3.log"
-               timeout 300 python3 benchmarks/bench_spec.py --num-layers 5 --trees $TREES --project "$OUT/bench_spec_l3.json" \
-                   2>&1 | tee "$OUT/bench_spec_l5.log" | grep -v -E "^(INFO|WARNING)" | tail -42 ;;
+               ROUTING=${ROUTING:-random same}
+               timeout 280 python3 benchmarks/bench_spec.py --num-layers 3 --trees $TREES --routing $ROUTING --cost-only \
+                   --json "$OUT/bench_spec_l3.json" > "$OUT/bench_spec_l3.log" 2>&1 || tail -5 "$OUT/bench_spec_l3.log"
+               timeout 330 python3 benchmarks/bench_spec.py --num-layers 5 --trees $TREES --routing $ROUTING \
+                   --project "$OUT/bench_spec_l3.json" 2>&1 | tee "$OUT/bench_spec_l5.log" \
+                   | grep -v -E "^(INFO|WARNING)|Triton compiled" | tail -75 ;;
         tiny) timeout 200 python3 benchmarks/bench_spec.py --model tiny-py --load-format auto --tok-s-only --num-layers 3 \
                   --batch-size 1 8 32 --output-len 128 --input-len 64 2>&1 | tee "$OUT/bench_spec_tiny.log" | tail -6 ;;
         profile) timeout 120 python3 benchmarks/profile_spec_step.py --model tiny-py --batch-size 8 \
                      > "$OUT/profile_spec_tiny.log" 2>&1; grep -A 30 "spec step" "$OUT/profile_spec_tiny.log" | head -32
                  timeout 200 python3 benchmarks/profile_spec_step.py --model deepseek-v3 --load-format dummy \
                      --num-layers 5 --batch-size 1 > "$OUT/profile_spec_v3.log" 2>&1; grep "spec step" "$OUT/profile_spec_v3.log" ;;
-        *) echo "unknown stage $stage (tests, flashinfer, bench, tiny, profile)"; exit 2 ;;
+        deep) T="2,4,4 2,1,3 3,4,8"; G=1,2,4,8,16,32,64,128,256  # 11 layers + MTP: ~110 GB of weights
+              timeout 200 python3 benchmarks/bench_spec.py --num-layers 3 --batch-size 1 8 32 --trees $T \
+                  --routing random same --cost-only --cuda-graph-bs $G --json "$OUT/bench_spec_l3.json" \
+                  > "$OUT/bench_spec_l3.log" 2>&1 || tail -5 "$OUT/bench_spec_l3.log"
+              timeout 370 python3 benchmarks/bench_spec.py --num-layers 11 --batch-size 1 8 32 --trees $T \
+                  --routing random same --cuda-graph-bs $G --json "$OUT/bench_spec_l11.json" \
+                  --project "$OUT/bench_spec_l3.json" --tok-s-batch-size 32 --disable-by-batch-size 16 --output-len 128 \
+                  2>&1 | tee "$OUT/bench_spec_l11.log" | grep -v -E "^(INFO|WARNING)|Triton compiled" | tail -62 ;;
+        tp4) spec="--speculative-algorithm NEXTN --speculative-num-steps 2 --speculative-eagle-topk 1"
+             spec="$spec --speculative-num-draft-tokens 3"
+             for layers in 3 21; do for mode in off on; do
+                 flags=(); [ "$mode" = on ] && read -r -a flags <<< "$spec"
+                 timeout 220 python3 -m dsctl bench offline --model deepseek-v3 --load-format dummy --num-layers $layers \
+                     --tp 4 "${flags[@]}" --input-len 512 --output-len 128 --concurrency 32 --repeats 2 \
+                     --cuda-graph-bs 1,2,4,8,16,32,64,96,128 --result-file "$OUT/spec_tp4.jsonl" \
+                     > "$OUT/spec_tp4-$layers-$mode.log" 2>&1 || tail -8 "$OUT/spec_tp4-$layers-$mode.log"
+                 echo "layers $layers spec $mode: $(tail -1 "$OUT/spec_tp4.jsonl" | python3 -c \
+                     'import json,sys; r=json.load(sys.stdin); print("bs1 step %.2f ms, 32 concurrent %.1f out tok/s" % (1e3 / r["decode_tok_s_bs1"], r["output_tok_s"]))')"
+             done; done ;;
+        *) echo "unknown stage $stage (tests, flashinfer, bench, tiny, profile, deep, tp4)"; exit 2 ;;
     esac
 done

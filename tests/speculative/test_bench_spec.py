@@ -49,3 +49,29 @@ def test_timed_generate_repeats_the_untimed_shapes(bench_spec):
         if tree is not None:
             assert r["accepted"] > 1.0
         assert pool.available() == pool.size, "the benchmark's schedulers keep KV slots"
+
+
+def test_same_routing_sends_every_token_to_the_same_experts_and_random_restores(bench_spec):
+    """bench_spec.Routing: "same" makes every MoE layer (the MTP layer's too) route all tokens alike; "random"
+    brings back the loaded router, under which random tokens pick different experts."""
+    import torch
+    import torch.nn.functional as F
+
+    from engine.model.moe import select_experts
+
+    eng = Engine(model="tiny-fp8", device="cpu", dtype="float32", attention_backend="torch", moe_backend="torch",
+                 speculative_algorithm="NEXTN", **bench_spec._tree_flags(TREE))
+    routing = bench_spec.Routing(eng)
+    assert len(routing.moes) > 1 and any(m in set(eng.runner.mtp.modules()) for m in routing.moes)
+    x = torch.randn(16, eng.config.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def ids():
+        return [select_experts(F.linear(x, m.gate_weight.float()), m.cfg, m.e_score_correction_bias)[1].sort(-1).values
+                for m in routing.moes]
+
+    loaded = ids()
+    assert all(len({tuple(r) for r in layer.tolist()}) > 1 for layer in loaded)
+    routing.set("same")
+    assert all(len({tuple(r) for r in layer.tolist()}) == 1 for layer in ids())
+    routing.set("random")
+    assert all(torch.equal(a, b) for a, b in zip(ids(), loaded))
