@@ -16,11 +16,15 @@
 #                at V3_LAYERS layers (default: fit), so FP8 rounding noise can be told from a wrong shard
 #   onebatch     dsctl bench one-batch, V3 5 layers dummy FP8, batch 1 / 32 / 128, per layout, vs the bytes floor
 #   serve        dsctl serve + dsctl bench serving (exact 1024 in / 256 out) at CONCS, per layout
+#   spec         dsctl bench offline per layout, speculation off and on (SPEC_TREE steps,topk,nodes; default
+#                2,1,3): the batch-1 step (dummy weights accept nothing: one spec step per token) and
+#                SPEC_CONC (32) concurrent requests' output tok/s; SPEC_MODEL (deepseek-v3) for a dry run
 # Logs and JSONL land in $OUT (default ./multi-gpu-out); the stage tables go to stdout.
 # Eight GPUs, full depth (issue 20):
 #   NGPU=8 LAYOUTS="tp8 tp8-dp8 tp8-ep8" LAYERS=full ONEBATCH_BS="1 8 32 128" STAGES="topo collectives onebatch" \
 #       STAGE_TIMEOUT=900 bash benchmarks/multi_gpu.sh
 #   NGPU=8 LAYOUTS="tp8 tp8-dp8" LAYERS=full IN=1000 OUTLEN=1000 CONCS="1 64 256 1024" STAGES=serve bash benchmarks/multi_gpu.sh
+#   NGPU=8 LAYOUTS="tp8 tp8-dp8" LAYERS=full IN=1000 OUTLEN=256 STAGES=spec STAGE_TIMEOUT=900 bash benchmarks/multi_gpu.sh
 # The GPU image lacks the server's packages: `SITE=.whl/site TARGET_PY=3.12 bash benchmarks/mixed_itl.sh --bundle`
 # here, carry .whl/site; this script puts it on PYTHONPATH when it exists.
 set -u
@@ -120,6 +124,45 @@ stage_serve() {
         grep -E "^v3-$l c=|healthy|not healthy|server exit|outlived" "$OUT/serve-$l.txt"
     done
     python3 benchmarks/multi_gpu_tables.py serve "$OUT" $LAYOUTS
+}
+
+stage_spec() {
+    local f="$OUT/spec.jsonl" depth=() steps topk nodes
+    IFS=, read -r steps topk nodes <<< "${SPEC_TREE:-2,1,3}"
+    [ "$LAYERS" != full ] && depth=(--num-layers "$LAYERS")
+    rm -f "$f"
+    for l in $LAYOUTS; do
+        read -r -a lf <<< "$(python3 benchmarks/layouts.py "$l")"
+        for mode in off on; do
+            local sf=()
+            [ "$mode" = on ] && sf=(--speculative-algorithm NEXTN --speculative-num-steps "$steps"
+                                    --speculative-eagle-topk "$topk" --speculative-num-draft-tokens "$nodes")
+            # shellcheck disable=SC2086
+            timeout "$STAGE_TIMEOUT" python3 -m dsctl bench offline --model "${SPEC_MODEL:-deepseek-v3}" --load-format dummy \
+                "${depth[@]}" "${lf[@]}" "${sf[@]}" --input-len "$IN" --output-len "$OUTLEN" \
+                --concurrency "${SPEC_CONC:-32}" --repeats 2 --result-file "$f" > "$OUT/spec-$l-$mode.log" 2>&1 \
+                || { echo "spec $l $mode failed:"; tail -5 "$OUT/spec-$l-$mode.log"; continue; }
+            echo "$l $mode" "$(tail -1 "$f")"
+        done
+    done | python3 -c '
+import json, sys
+off = {}
+print("layout  spec  batch-1 step ms  spec/decode  speed-up at L=2.0/2.5/3.0  concurrent out tok/s")
+for line in sys.stdin:
+    parts = line.split(" ", 2)
+    if len(parts) < 3 or not parts[2].startswith("{"):
+        print(line.rstrip()); continue
+    layout, mode, r = parts[0], parts[1], json.loads(parts[2])
+    step = 1e3 / r["decode_tok_s_bs1"]
+    cells = ["-", "-"]
+    if mode == "off":
+        off[layout] = step
+    elif layout in off:
+        ratio = step / off[layout]
+        cells = [f"{ratio:.2f}", "/".join(f"{L / ratio:.2f}x" for L in (2.0, 2.5, 3.0))]
+    rate = r["output_tok_s"]
+    print(f"{layout:<7} {mode:<4} {step:>16.2f} {cells[0]:>12} {cells[1]:>26} {rate:>21.1f}")
+'
 }
 
 for s in $STAGES; do
