@@ -57,5 +57,8 @@ class DPController:
                  for f in ("running", "waiting", "kv_total_tokens", "kv_free_tokens", "prefix_cache_tokens",
                            "retracted_requests", "spec_plain_steps")}
         rate = sum(s.prefix_cache_hit_rate for s in per_group) / len(per_group)
+        hists = [s.spec_accept_hist for s in per_group if s.spec_accept_hist]
+        accept = tuple(map(sum, zip(*hists))) if hists else ()  # every group has the same buckets
         return replace(first, **total, prefix_cache_hit_rate=rate, dp_requests=tuple(self.dispatched),
-                       dp_running=tuple(self.load), step_seconds=merge([s.step_seconds for s in per_group]))
+                       dp_running=tuple(self.load), step_seconds=merge([s.step_seconds for s in per_group]),
+                       spec_accept_hist=accept)

@@ -33,6 +33,15 @@ def test_shortest_queue_follows_reported_load():
     assert c.route(_add(8)) == 1
 
 
+def test_merged_stats_add_up_every_groups_speculative_acceptance():
+    """Each DP group runs its own spec steps: the job's histogram of accepted tokens is the groups' sum."""
+    c = DPController(2, "round_robin")
+    merged = c.merge_stats([EngineStats(spec_accept_hist=(5, 1, 0), spec_plain_steps=2),
+                            EngineStats(spec_accept_hist=(1, 2, 3), spec_plain_steps=1)])
+    assert merged.spec_accept_hist == (6, 3, 3) and merged.spec_plain_steps == 3
+    assert c.merge_stats([EngineStats(), EngineStats()]).spec_accept_hist == ()
+
+
 def test_unknown_policy():
     with pytest.raises(ValueError):
         DPController(2, "random")
