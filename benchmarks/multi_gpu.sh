@@ -17,7 +17,7 @@
 #   onebatch     dsctl bench one-batch, V3 5 layers dummy FP8, batch 1 / 32 / 128, per layout, vs the bytes floor
 #   serve        dsctl serve + dsctl bench serving (exact 1024 in / 256 out) at CONCS, per layout
 #   spec         dsctl bench offline per layout, speculation off and on (SPEC_TREE steps,topk,nodes; default
-#                2,1,3): the batch-1 step (dummy weights accept nothing: one spec step per token) and
+#                2,1,3): the batch-1 step (tokens per step / tok/s; dummy weights accept nothing) and
 #                SPEC_CONC (32) concurrent requests' output tok/s; SPEC_MODEL (deepseek-v3) for a dry run
 # Logs and JSONL land in $OUT (default ./multi-gpu-out); the stage tables go to stdout.
 # Eight GPUs, full depth (issue 20):
@@ -147,21 +147,22 @@ stage_spec() {
     done | python3 -c '
 import json, sys
 off = {}
-print("layout  spec  batch-1 step ms  spec/decode  speed-up at L=2.0/2.5/3.0  concurrent out tok/s")
+print("layout  spec  batch-1 step ms  spec/decode  speed-up at L=2.0/2.5/3.0  concurrent out tok/s  accepted")
 for line in sys.stdin:
     parts = line.split(" ", 2)
     if len(parts) < 3 or not parts[2].startswith("{"):
         print(line.rstrip()); continue
     layout, mode, r = parts[0], parts[1], json.loads(parts[2])
-    step = 1e3 / r["decode_tok_s_bs1"]
+    step = 1e3 * (r.get("accept_length_bs1") or 1.0) / r["decode_tok_s_bs1"]  # a step emits that many tokens
     cells = ["-", "-"]
     if mode == "off":
         off[layout] = step
     elif layout in off:
         ratio = step / off[layout]
         cells = [f"{ratio:.2f}", "/".join(f"{L / ratio:.2f}x" for L in (2.0, 2.5, 3.0))]
-    rate = r["output_tok_s"]
-    print(f"{layout:<7} {mode:<4} {step:>16.2f} {cells[0]:>12} {cells[1]:>26} {rate:>21.1f}")
+    rate, acc = r["output_tok_s"], r.get("accept_length_bs1")
+    acc = "-" if acc is None else f"{acc:.2f}"
+    print(f"{layout:<7} {mode:<4} {step:>16.2f} {cells[0]:>12} {cells[1]:>26} {rate:>21.1f} {acc:>9}")
 '
 }
 

@@ -50,7 +50,7 @@ for stage in "$@"; do
                      --cuda-graph-bs 1,2,4,8,16,32,64,96,128 --result-file "$OUT/spec_tp4.jsonl" \
                      > "$OUT/spec_tp4-$layers-$mode.log" 2>&1 || tail -8 "$OUT/spec_tp4-$layers-$mode.log"
                  echo "layers $layers spec $mode: $(tail -1 "$OUT/spec_tp4.jsonl" | python3 -c \
-                     'import json,sys; r=json.load(sys.stdin); print("bs1 step %.2f ms, 32 concurrent %.1f out tok/s" % (1e3 / r["decode_tok_s_bs1"], r["output_tok_s"]))')"
+                     'import json,sys; r=json.load(sys.stdin); print("bs1 step %.2f ms, 32 concurrent %.1f out tok/s" % (1e3 * (r.get("accept_length_bs1") or 1) / r["decode_tok_s_bs1"], r["output_tok_s"]))')"
              done; done ;;
         *) echo "unknown stage $stage (tests, flashinfer, bench, tiny, profile, deep, tp4)"; exit 2 ;;
     esac

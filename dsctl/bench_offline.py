@@ -6,6 +6,8 @@ Two figures, each timed after an untimed warm-up of the same shape:
 - output tok/s at `concurrency`: that many requests handed to `Engine.generate` at
   once (the scheduler batches them), output tokens / wall time; total tok/s counts
   the prompts too.
+- with speculative decoding, the accepted tokens per request per decode step of the
+  timed runs (both figures).
 Prompts are random token ids, a fresh set for every run, so the radix cache never
 turns a timed prefill into a cache hit; `ignore_eos` makes every request produce
 exactly `output_len` tokens. Lengths default to small values on CPU, larger on CUDA.
@@ -40,6 +42,9 @@ class OfflineResult:
     prefill_s_bs1: float  # time to the first token of one request (median)
     output_tok_s: float  # at `concurrency` (median)
     total_tok_s: float  # prompts + outputs at `concurrency` (median)
+    # speculative decoding: mean tokens per request per decode step in the timed runs (median; None when off)
+    accept_length_bs1: Optional[float] = None
+    accept_length: Optional[float] = None  # at `concurrency`
 
 
 class _Prompts:
@@ -91,27 +96,39 @@ def run_offline(args, input_len: Optional[int] = None, output_len: Optional[int]
 
 
 def _measure(engine, args, device, dtype, input_len, output_len, concurrency, repeats, say) -> OfflineResult:
+    from engine.speculative.stats import mean_accepted
+
     ilen, olen, conc = _lengths(device.type, input_len, output_len, concurrency)
     prompts = _Prompts(min(engine.config.vocab_size, 32000), args.model.seed)
     say("warm-up")
     _timed_generate(engine, prompts.take(1, ilen), olen)
     _timed_generate(engine, prompts.take(conc, ilen), olen)
-    decode, prefill, out_rate, total_rate = [], [], [], []
+    decode, prefill, out_rate, total_rate, accept_bs1, accept = [], [], [], [], [], []
     for k in range(repeats):
         say(f"batch 1, run {k + 1}/{repeats}")
         t_first, _ = _timed_generate(engine, prompts.take(1, ilen), 1)
+        hist = engine.spec_accept_hist()
         t_all, n = _timed_generate(engine, prompts.take(1, ilen), olen)
+        accept_bs1.append(mean_accepted(hist, engine.spec_accept_hist()))
         prefill.append(t_first)
         decode.append((n - 1) / max(t_all - t_first, 1e-9))
         say(f"{conc} concurrent, run {k + 1}/{repeats}")
+        hist = engine.spec_accept_hist()
         t_conc, n = _timed_generate(engine, prompts.take(conc, ilen), olen)
+        accept.append(mean_accepted(hist, engine.spec_accept_hist()))
         out_rate.append(n / t_conc)
         total_rate.append((n + conc * ilen) / t_conc)
     med = statistics.median
+
+    def med_or_none(values):
+        values = [v for v in values if v is not None]
+        return med(values) if values else None
+
     return OfflineResult(
         model=args.model.model, device=str(device), dtype=str(dtype).replace("torch.", ""),
         input_len=ilen, output_len=olen, concurrency=conc, repeats=repeats, decode_tok_s_bs1=med(decode),
-        prefill_s_bs1=med(prefill), output_tok_s=med(out_rate), total_tok_s=med(total_rate))
+        prefill_s_bs1=med(prefill), output_tok_s=med(out_rate), total_tok_s=med(total_rate),
+        accept_length_bs1=med_or_none(accept_bs1), accept_length=med_or_none(accept))
 
 
 def write_result(path: Path, result: OfflineResult) -> None:
@@ -131,4 +148,8 @@ def print_result(result: OfflineResult) -> None:
     table.add_row("time to first token at batch 1", f"{result.prefill_s_bs1 * 1e3:.1f} ms")
     table.add_row(f"output tok/s at {result.concurrency} concurrent", f"{result.output_tok_s:.1f}")
     table.add_row(f"total tok/s at {result.concurrency} concurrent", f"{result.total_tok_s:.1f}")
+    if result.accept_length_bs1 is not None:
+        table.add_row("accepted tokens per step at batch 1", f"{result.accept_length_bs1:.2f}")
+    if result.accept_length is not None:
+        table.add_row(f"accepted tokens per step at {result.concurrency} concurrent", f"{result.accept_length:.2f}")
     Console().print(table)

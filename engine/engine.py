@@ -126,6 +126,10 @@ class Engine:
             self.scheduler.add(req)
         return self.run_until_done(reqs)
 
+    def spec_accept_hist(self) -> tuple[int, ...]:
+        """Speculative decoding, cumulative: request-steps that emitted 1, 2, ... tokens (empty when off)."""
+        return tuple(self.scheduler.stats().get("spec_accept_hist", ()))
+
     def run_until_done(self, reqs: Iterable[Request]) -> list[GenerateOutput]:
         """Step until every request of reqs finished; their outputs, in order, built from their deltas."""
         reqs = list(reqs)

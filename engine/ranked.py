@@ -157,6 +157,7 @@ class RankedEngine:
         from_w.close()
         self._ids = itertools.count()
         self.info = self._receive(EngineInfo)
+        self.stats = None  # the EngineStats of rank 0's latest step outputs
 
     # ---- protocol --------------------------------------------------------------
     def _next(self):
@@ -215,6 +216,7 @@ class RankedEngine:
             if isinstance(msg, AddFailed) and msg.rid in collected:
                 raise (RequestError if msg.user_error else EngineRankError)(msg.message)
             if isinstance(msg, StepOutputs):
+                self.stats = msg.stats
                 for out in msg.outputs:
                     if out.rid in collected:
                         collected[out.rid].add(out)
@@ -229,6 +231,11 @@ class RankedEngine:
 
     def _decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special) if self.tokenizer else ""
+
+    def spec_accept_hist(self) -> tuple[int, ...]:
+        """As Engine.spec_accept_hist, as of the latest step outputs (those of a finished generate call
+        include its last step); every DP group's steps added up."""
+        return tuple(self.stats.spec_accept_hist) if self.stats is not None else ()
 
     # ---- lifecycle -----------------------------------------------------------
     @property

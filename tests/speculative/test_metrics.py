@@ -59,3 +59,26 @@ def test_bench_serving_accept_length_from_counters():
 
     assert accept_length((10.0, 5.0), (40.0, 15.0)) == 3.0
     assert accept_length(None, (1.0, 1.0)) is None and accept_length((1.0, 1.0), (1.0, 1.0)) is None
+
+
+def test_mean_accepted_between_histogram_snapshots():
+    from engine.speculative.stats import mean_accepted
+
+    assert mean_accepted((), (2, 0, 2)) == 2.0
+    assert mean_accepted((1, 1, 0), (2, 1, 3)) == 2.5  # 1 step of 1 token and 3 of 3 in between
+    assert mean_accepted((1, 1), (1, 1)) is None and mean_accepted((), ()) is None
+
+
+def test_bench_offline_reports_accepted_length_for_one_process_and_tp_ranks():
+    """trained tiny-py accepts drafts: the timed runs' mean accepted length, from the Engine's scheduler and,
+    with --tp 2, from rank 0's step outputs; the same greedy runs give the same figures. Speculation off: none."""
+    from dsctl.bench_offline import run_offline
+
+    flags = dict(model="tiny-py", device="cpu", dtype="float32", speculative_algorithm="NEXTN")
+    one = run_offline(EngineArgs.of(**flags), input_len=16, output_len=12, concurrency=3)
+    assert one.accept_length_bs1 > 1.5 and one.accept_length > 1.5
+    ranked = run_offline(EngineArgs.of(**flags, tp_size=2), input_len=16, output_len=12, concurrency=3)
+    assert (ranked.accept_length_bs1, ranked.accept_length) == (one.accept_length_bs1, one.accept_length)
+    off = run_offline(EngineArgs.of(model="tiny-py", device="cpu", dtype="float32"), input_len=16, output_len=4,
+                      concurrency=2)
+    assert off.accept_length_bs1 is None and off.accept_length is None
