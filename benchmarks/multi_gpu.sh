@@ -18,7 +18,8 @@
 #   serve        dsctl serve + dsctl bench serving (exact 1024 in / 256 out) at CONCS, per layout
 #   spec         dsctl bench offline per layout, speculation off and on (SPEC_TREE steps,topk,nodes; default
 #                2,1,3): the batch-1 step (tokens per step / tok/s; dummy weights accept nothing) and
-#                SPEC_CONC (32) concurrent requests' output tok/s; SPEC_MODEL (deepseek-v3) for a dry run
+#                SPEC_CONC (32) concurrent requests' output tok/s; SPEC_FLAGS: more bench offline options;
+#                SPEC_MODEL (deepseek-v3) for a dry run
 # Logs and JSONL land in $OUT (default ./multi-gpu-out); the stage tables go to stdout.
 # Eight GPUs, full depth (issue 20):
 #   NGPU=8 LAYOUTS="tp8 tp8-dp8 tp8-ep8" LAYERS=full ONEBATCH_BS="1 8 32 128" STAGES="topo collectives onebatch" \
@@ -139,7 +140,7 @@ stage_spec() {
                                     --speculative-eagle-topk "$topk" --speculative-num-draft-tokens "$nodes")
             # shellcheck disable=SC2086
             timeout "$STAGE_TIMEOUT" python3 -m dsctl bench offline --model "${SPEC_MODEL:-deepseek-v3}" --load-format dummy \
-                "${depth[@]}" "${lf[@]}" "${sf[@]}" --input-len "$IN" --output-len "$OUTLEN" \
+                "${depth[@]}" "${lf[@]}" "${sf[@]}" ${SPEC_FLAGS:-} --input-len "$IN" --output-len "$OUTLEN" \
                 --concurrency "${SPEC_CONC:-32}" --repeats 2 --result-file "$f" > "$OUT/spec-$l-$mode.log" 2>&1 \
                 || { echo "spec $l $mode failed:"; tail -5 "$OUT/spec-$l-$mode.log"; continue; }
             echo "$l $mode" "$(tail -1 "$f")"

@@ -108,12 +108,12 @@ def _top(kernels: dict[str, float], k: int = 5) -> str:
     return ", ".join(f"{name[:48]} {ms:.2f}" for name, ms in sorted(kernels.items(), key=lambda x: -x[1])[:k])
 
 
-def _mean_kernels(steps, kind: str) -> tuple[int, dict[str, float]]:
+def _mean_kernels(steps, kind: str) -> dict[str, float]:
     chosen = [kt for k, _, kt in steps if k == kind]
     total = collections.Counter()
     for kt in chosen:
         total.update(kt)
-    return len(chosen), {name: ms / max(len(chosen), 1) for name, ms in total.items()}
+    return {name: ms / max(len(chosen), 1) for name, ms in total.items()}
 
 
 def main() -> None:
@@ -158,8 +158,8 @@ def main() -> None:
             if sel:
                 print(f"  {name:>9} {kind:>6} {len(sel):>3} {sum(bare) / max(len(bare), 1):8.2f} "
                       f"{sum(w for w, _ in sel) / len(sel):8.2f} {sum(g for _, g in sel) / len(sel):8.2f}")
-    _, off = _mean_kernels(summary["mixed off"], "chunk")
-    _, on = _mean_kernels(summary["mixed on"], "chunk")
+    off = _mean_kernels(summary["mixed off"], "chunk")
+    on = _mean_kernels(summary["mixed on"], "chunk")
     for title, prefix in (("kernels (device ms)", None), ("host ops and runtime calls (self CPU ms)", "host:"),
                           ("host ops and runtime calls (count)", "host calls:")):
         names = [n for n in set(off) | set(on)

@@ -41,17 +41,10 @@ for stage in "$@"; do
                   --routing random same --cuda-graph-bs $G --json "$OUT/bench_spec_l11.json" \
                   --project "$OUT/bench_spec_l3.json" --tok-s-batch-size 32 --disable-by-batch-size 16 --output-len 128 \
                   2>&1 | tee "$OUT/bench_spec_l11.log" | grep -v -E "^(INFO|WARNING)|Triton compiled" | tail -62 ;;
-        tp4) spec="--speculative-algorithm NEXTN --speculative-num-steps 2 --speculative-eagle-topk 1"
-             spec="$spec --speculative-num-draft-tokens 3"
-             for layers in 3 21; do for mode in off on; do
-                 flags=(); [ "$mode" = on ] && read -r -a flags <<< "$spec"
-                 timeout 220 python3 -m dsctl bench offline --model deepseek-v3 --load-format dummy --num-layers $layers \
-                     --tp 4 "${flags[@]}" --input-len 512 --output-len 128 --concurrency 32 --repeats 2 \
-                     --cuda-graph-bs 1,2,4,8,16,32,64,96,128 --result-file "$OUT/spec_tp4.jsonl" \
-                     > "$OUT/spec_tp4-$layers-$mode.log" 2>&1 || tail -8 "$OUT/spec_tp4-$layers-$mode.log"
-                 echo "layers $layers spec $mode: $(tail -1 "$OUT/spec_tp4.jsonl" | python3 -c \
-                     'import json,sys; r=json.load(sys.stdin); print("bs1 step %.2f ms, 32 concurrent %.1f out tok/s" % (1e3 * (r.get("accept_length_bs1") or 1) / r["decode_tok_s_bs1"], r["output_tok_s"]))')"
-             done; done ;;
+        tp4) for layers in 3 21; do  # multi_gpu.sh's spec stage at TP 4, input 512, output 128
+                 OUT=$OUT/tp4-$layers NGPU=4 LAYOUTS=tp4 LAYERS=$layers IN=512 OUTLEN=128 STAGES=spec \
+                     SPEC_FLAGS="--cuda-graph-bs 1,2,4,8,16,32,64,96,128" bash benchmarks/multi_gpu.sh
+             done ;;
         *) echo "unknown stage $stage (tests, flashinfer, bench, tiny, profile, deep, tp4)"; exit 2 ;;
     esac
 done

@@ -61,13 +61,18 @@ class _Prompts:
         return torch.randint(0, self.vocab, (n, length), generator=self.gen).tolist()
 
 
-def _timed_generate(engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, int]:
+def _timed_generate(engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, int, Optional[float]]:
+    """Seconds, output tokens, and the mean accepted tokens per request-step of the call (None without
+    speculative steps)."""
     from engine.sampling import SamplingParams
+    from engine.speculative.stats import mean_accepted
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    hist = engine.spec_accept_hist()
     t0 = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=params)
-    return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
+    elapsed = time.perf_counter() - t0
+    return elapsed, sum(len(o.token_ids) for o in outs), mean_accepted(hist, engine.spec_accept_hist())
 
 
 def _lengths(device_type: str, input_len, output_len, concurrency) -> tuple[int, int, int]:
@@ -96,8 +101,6 @@ def run_offline(args, input_len: Optional[int] = None, output_len: Optional[int]
 
 
 def _measure(engine, args, device, dtype, input_len, output_len, concurrency, repeats, say) -> OfflineResult:
-    from engine.speculative.stats import mean_accepted
-
     ilen, olen, conc = _lengths(device.type, input_len, output_len, concurrency)
     prompts = _Prompts(min(engine.config.vocab_size, 32000), args.model.seed)
     say("warm-up")
@@ -106,16 +109,14 @@ def _measure(engine, args, device, dtype, input_len, output_len, concurrency, re
     decode, prefill, out_rate, total_rate, accept_bs1, accept = [], [], [], [], [], []
     for k in range(repeats):
         say(f"batch 1, run {k + 1}/{repeats}")
-        t_first, _ = _timed_generate(engine, prompts.take(1, ilen), 1)
-        hist = engine.spec_accept_hist()
-        t_all, n = _timed_generate(engine, prompts.take(1, ilen), olen)
-        accept_bs1.append(mean_accepted(hist, engine.spec_accept_hist()))
+        t_first, _, _ = _timed_generate(engine, prompts.take(1, ilen), 1)
+        t_all, n, accepted = _timed_generate(engine, prompts.take(1, ilen), olen)
+        accept_bs1.append(accepted)
         prefill.append(t_first)
         decode.append((n - 1) / max(t_all - t_first, 1e-9))
         say(f"{conc} concurrent, run {k + 1}/{repeats}")
-        hist = engine.spec_accept_hist()
-        t_conc, n = _timed_generate(engine, prompts.take(conc, ilen), olen)
-        accept.append(mean_accepted(hist, engine.spec_accept_hist()))
+        t_conc, n, accepted = _timed_generate(engine, prompts.take(conc, ilen), olen)
+        accept.append(accepted)
         out_rate.append(n / t_conc)
         total_rate.append((n + conc * ilen) / t_conc)
     med = statistics.median

@@ -15,6 +15,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from engine.speculative.stats import mean_accepted
+
 disable_created_metrics()  # no *_created series: they double the output and nobody here reads them
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -101,18 +103,13 @@ def _spec_metrics(s):
     buckets.append(("+Inf", float(cum)))
     hist.add_metric([], buckets, sum_value=float(sum(n * c for n, c in enumerate(s.spec_accept_hist, start=1))))
     yield hist
-    steps = sum(s.spec_accept_hist)
     mean = GaugeMetricFamily("dsctl_spec_accept_length", "Mean tokens per request per speculative step.")
-    mean.add_metric([], hist_mean(s.spec_accept_hist) if steps else 0.0)
+    mean.add_metric([], mean_accepted((), s.spec_accept_hist) or 0.0)
     yield mean
     plain = CounterMetricFamily("dsctl_spec_plain_steps", "Decode steps run without speculation "
                                 "(--speculative-disable-by-batch-size).")
     plain.add_metric([], float(s.spec_plain_steps))
     yield plain
-
-
-def hist_mean(hist) -> float:
-    return sum(n * c for n, c in enumerate(hist, start=1)) / sum(hist)
 
 
 class ServerMetrics:
