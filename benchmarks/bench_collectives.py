@@ -3,7 +3,7 @@
     python3 benchmarks/bench_collectives.py [--tp 2] [--hidden 7168] [--tokens 1,2,4,...,4096]
                                             [--device cuda|cpu] [--result-file F.jsonl]
 
-One process per rank (engine.distributed.launch.start_ranks + init_parallel: NCCL on CUDA, gloo on
+One process per rank (engine.runtime.ranks.EngineRanks, as every launcher starts ranks, + init_parallel: NCCL on CUDA, gloo on
 CPU, the groups the engine uses), timing the engine's own collectives (engine/distributed/comm.py):
 `all_reduce` of a [T, hidden] bf16 tensor (the o_proj / MLP / MoE sums) and `all_gather_rows` of a
 [T, hidden] tensor per rank (DP attention's gather before every MLP), for each token count T.
@@ -30,7 +30,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.distributed.parallel_config import ParallelConfig  # noqa: E402
+from engine.runtime.launch import with_local_init_addr  # noqa: E402
+from engine.runtime.ranks import EngineRankError, EngineRanks  # noqa: E402
 
+EXIT_S = 60.0  # how long the ranks get to leave the world once rank 0 sent its figures
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 
 
@@ -99,7 +102,7 @@ def _graph_s(fn, x, calls: int, replays: int, timer) -> float:
     return statistics.median(timer(graph.replay) for _ in range(replays)) / calls
 
 
-def rank_main(local_rank: int, pc: ParallelConfig, opts: dict, outbox) -> None:
+def rank_main(local_rank: int, pc: ParallelConfig, opts: dict, inbox, outbox) -> None:
     import torch
 
     from engine.distributed.comm import barrier
@@ -135,6 +138,7 @@ def rank_main(local_rank: int, pc: ParallelConfig, opts: dict, outbox) -> None:
                          else "cpu", "rows": rows})
     finally:
         if not first:
+            inbox.close()
             outbox.close()
         state.destroy()
 
@@ -155,11 +159,6 @@ def print_table(run: dict, hidden: int) -> None:
 
 
 def main(argv=None) -> dict:
-    import multiprocessing as mp
-
-    from dsctl.bench_one_batch_ranks import BenchRankError, next_message, wait_exit
-    from engine.distributed.launch import start_ranks, with_local_init_addr
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--hidden", type=int, default=7168)
@@ -173,14 +172,14 @@ def main(argv=None) -> dict:
     opts = {"device": a.device, "hidden": a.hidden, "tokens": [int(t) for t in a.tokens.split(",")],
             "iters": a.iters, "graph_calls": a.graph_calls, "peak_mib": a.peak_mib}
     pc = with_local_init_addr(ParallelConfig(tp_size=a.tp))
-    recv, send = mp.get_context("spawn").Pipe(duplex=False)
+    ranks = EngineRanks.start(rank_main, pc, pc, opts)
     try:
-        with start_ranks(rank_main, a.tp, (pc, opts, send)) as ranks:
-            send.close()
-            run = next_message(ranks, recv, "bench_collectives")
-            wait_exit(ranks, "bench_collectives")
-    except BenchRankError as exc:
-        raise SystemExit(str(exc)) from None
+        run = ranks.receive()
+        ranks.finish(EXIT_S)
+    except EngineRankError as exc:
+        raise SystemExit(f"bench_collectives: {exc}") from None
+    finally:
+        ranks.stop()
     print_table(run, a.hidden)
     if a.result_file:
         with open(a.result_file, "a") as f:

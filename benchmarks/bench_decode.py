@@ -16,8 +16,8 @@ median decode step. The floor of a step is the bytes it must read once (every
 weight it touches: attention, dense MLP, shared expert, the routed experts the
 batch's tokens select (expected count under uniform routing), gate, embedding rows,
 lm_head; plus the latent KV cache it attends over) at the device-to-device copy
-bandwidth measured in the same run. A per-layer table (eager, CUDA events around
-each decoder layer) shows where the time goes. Last: an extrapolation to 61 layers.
+bandwidth measured in the same run (engine/distributed/step_floor.py, which `dsctl bench one-batch`
+uses too). A per-layer table (eager, CUDA events around each decoder layer) shows where the time goes. Last: an extrapolation to 61 layers.
 """
 
 from __future__ import annotations
@@ -36,79 +36,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsctl.bench_one_batch import run_one_batch  # noqa: E402
 from engine.args import EngineArgs  # noqa: E402
-from engine.config import parse_config  # noqa: E402
-from engine.models import lookup  # noqa: E402
+from engine.checkpoint.config import parse_config  # noqa: E402
+from engine.checkpoint.registry import lookup  # noqa: E402
+from engine.distributed.step_floor import copy_bandwidth, layer_bytes, step_floor_s  # noqa: E402
 
 IN_LEN, OUT_LEN = 256, 32
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of a large device-to-device copy, counting bytes read plus written."""
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    a.random_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        b.copy_(a)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del a, b
-    return 2 * n / statistics.median(times)
-
-
-def layer_bytes(cfg, layer: int, bs: int, ctx: int, kv_bytes: int, weight_bytes: int = 1, tp: int = 1,
-                dp: int = 1) -> dict:
-    """Bytes one decode step must read for one layer on one GPU (weight_bytes per weight: 1 for FP8, scales
-    ignored; 2 for bf16). `tp` ranks split the model; with `dp` DP-attention groups each group's tp / dp
-    ranks split attention over its own share of the bs requests (the busiest group: ceil(bs / dp)), while
-    the MLP / MoE stays split over all tp ranks on every request's token. Under TP the latent KV is not
-    split: every rank of a group reads all its requests' cache. Expert parallelism (whole experts per
-    rank) reads, in expectation, the same bytes as the TP split of every expert, so it needs no term."""
-    h, heads = cfg.hidden_size, cfg.num_attention_heads
-    attn_tp, group_bs = tp // dp, -(-bs // dp)
-    q_lora = cfg.q_lora_rank
-    q_a = h * q_lora if q_lora else 0
-    q_b = q_lora * heads * cfg.qk_head_dim if q_lora else h * heads * cfg.qk_head_dim  # V2-Lite: no q LoRA
-    split = q_b + heads * cfg.kv_lora_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim) + heads * cfg.v_head_dim * h
-    attn = q_a + h * cfg.kv_cache_dim + split / attn_tp
-    kv = group_bs * ctx * cfg.kv_cache_dim * kv_bytes
-    if cfg.is_moe_layer(layer):
-        e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-        touched = e * (1 - (1 - k / e) ** bs)
-        per_expert = 3 * h * cfg.moe_intermediate_size
-        mlp = (touched + cfg.n_shared_experts) * per_expert / tp + e * h * 2 / weight_bytes  # + bf16 gate
-    else:
-        mlp = 3 * h * cfg.intermediate_size / tp
-    return {"weights": (attn + mlp) * weight_bytes, "kv": kv}
-
-
-def step_floor_s(cfg, n_layers: int, bs: int, ctx: int, kv_bytes: int, bw: float, weight_bytes: int = 1,
-                 tp: int = 1, dp: int = 1) -> float:
-    """The bytes floor of one decode step on one GPU (see `layer_bytes` for tp / dp) at copy bandwidth bw."""
-    total = sum(sum(layer_bytes(cfg, i, bs, ctx, kv_bytes, weight_bytes, tp, dp).values()) for i in range(n_layers))
-    attn_tp = tp // dp
-    total += cfg.vocab_size * cfg.hidden_size * 2 / attn_tp + -(-bs // dp) * cfg.hidden_size * 2  # lm_head, embed
-    return total / bw
-
-
-def serving_floor_ms(model: str, n_layers: int, bs: int, ctx: int, bw: float, tp: int = 1, dp: int = 1) -> float:
-    """The bytes floor of one decode step of a served registry model (dummy weights: FP8 where the
-    checkpoint is block-FP8, else bf16; bf16 KV) at batch bs and context ctx, in ms, per GPU of the layout."""
-    cfg = parse_config(lookup(model).config_dict())
-    return step_floor_s(cfg, n_layers or cfg.num_hidden_layers, bs, ctx, 2, bw, 1 if cfg.fp8 else 2, tp, dp) * 1e3
-
-
 def per_layer_times(args: EngineArgs, bs: int) -> list[float]:
     """Eager decode step with CUDA events around each decoder layer: median ms per layer."""
-    from dsctl.bench_one_batch import _run_batch
-    from engine.runner import ModelRunner
+    from dsctl.bench_one_batch_timing import run_batch
+    from engine.runner.model_runner import ModelRunner
 
     runner = ModelRunner(args.replace(disable_cuda_graph=True, max_total_tokens=bs * (IN_LEN + OUT_LEN),
                                       max_running_requests=max(bs, 8), max_model_len=IN_LEN + OUT_LEN))
@@ -128,11 +66,11 @@ def per_layer_times(args: EngineArgs, bs: int) -> list[float]:
             events[i][-1][1] = ev
         return hook
 
-    _run_batch(runner, bs, 16, 2, 0)
+    run_batch(runner, bs, 16, 2, 0)
     hooks = []
     for i, layer in enumerate(runner.model.layers):
         hooks += [layer.register_forward_pre_hook(pre(i)), layer.register_forward_hook(post(i))]
-    _run_batch(runner, bs, IN_LEN, OUT_LEN, 0)
+    run_batch(runner, bs, IN_LEN, OUT_LEN, 0)
     torch.cuda.synchronize()
     for h in hooks:
         h.remove()
@@ -162,15 +100,15 @@ def _cuda_kernel_ms(fn) -> dict[str, list]:
 def kernel_table(args: EngineArgs, bs: int, top: int = 18) -> list[tuple[str, float, float]]:
     """(kernel name, calls per step, ms per step) of eager decode steps, largest first: a prefill plus
     `steps` decode steps minus the same prefill alone, per kernel name, over `steps`."""
-    from dsctl.bench_one_batch import _run_batch
-    from engine.runner import ModelRunner
+    from dsctl.bench_one_batch_timing import run_batch
+    from engine.runner.model_runner import ModelRunner
 
     steps = 4
     runner = ModelRunner(args.replace(disable_cuda_graph=True, max_total_tokens=bs * (IN_LEN + steps + 2),
                                       max_running_requests=max(bs, 8), max_model_len=IN_LEN + steps + 2))
-    _run_batch(runner, bs, IN_LEN, 3, 0)  # compile and warm up outside the traces
-    prefill = _cuda_kernel_ms(lambda: _run_batch(runner, bs, IN_LEN, 1, 0))
-    both = _cuda_kernel_ms(lambda: _run_batch(runner, bs, IN_LEN, steps + 1, 0))
+    run_batch(runner, bs, IN_LEN, 3, 0)  # compile and warm up outside the traces
+    prefill = _cuda_kernel_ms(lambda: run_batch(runner, bs, IN_LEN, 1, 0))
+    both = _cuda_kernel_ms(lambda: run_batch(runner, bs, IN_LEN, steps + 1, 0))
     runner = None  # free its memory before the next engine (the lambdas share this cell)
     gc.collect()
     torch.cuda.empty_cache()

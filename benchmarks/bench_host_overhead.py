@@ -84,8 +84,8 @@ def _tokenizer(stop: bool):
     if not stop:
         return None
     from engine.args import ModelArgs
-    from engine.resolve import resolve_model
-    from engine.tokenizer import load_tokenizer
+    from engine.checkpoint.resolve import resolve_model
+    from engine.checkpoint.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model(ModelArgs(model="tiny")).tokenizer_path)
 

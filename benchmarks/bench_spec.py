@@ -199,11 +199,11 @@ class _Probe:
             return wrapped
 
         self._wrap(sched, "step", step)
-        # The runner's eager forwards have no public hook: a benchmark-only wrap of its two methods.
+        # The eager forwards of the runner and its draft have no public hook: a benchmark-only wrap of both.
         self._wrap(r, "_forward_eager", eager("target"))
-        self._wrap(r, "_forward_mtp_eager", eager("mtp"))
+        self._wrap(r.draft, "_forward_eager", eager("mtp"))
         self._wrap(r.req_to_token, "write_scratch", scratch)
-        for kind, g in (("target", r.graphs), ("mtp", r.mtp_graphs)):
+        for kind, g in (("target", r.graphs), ("mtp", r.draft.graphs)):
             if g is not None:
                 self._wrap(g, "replay", replay(kind))
         self._hook_triton()

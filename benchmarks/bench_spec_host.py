@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -188,11 +188,12 @@ class StandInRunner:
         self.req_to_token = ReqToTokenPool(max_running, max_model_len + 1, DEVICE)
         self.req_to_token.reserve_scratch(scratch)  # as with CUDA graphs: tree rows go to scratch rows
         counter.tag(self.req_to_token.table)
-        self.target, self.draft = _tables()
-        self.mtp = object()
+        self.target, self.draft_table = _tables()
+        self.draft = StandInDraft(self)
+        self.dp = None  # no DP attention
         self.forward_s = 0.0
 
-    def _answer(self, fb, table: torch.Tensor) -> _Out:
+    def answer(self, fb, table: torch.Tensor) -> _Out:
         t, self.counter.paused = time.perf_counter(), True
         try:
             ids = fb.input_ids[fb.logits_indices]
@@ -204,19 +205,20 @@ class StandInRunner:
         return out
 
     def forward(self, fb) -> _Out:
-        return self._answer(fb, self.target)
-
-    def forward_mtp(self, fb) -> _Out:
-        return self._answer(fb, self.draft)
-
-    def forward_tree(self, fb, table, mtp: bool = False) -> _Out:
-        rows = self.req_to_token.write_scratch(table.table)  # the real runner's host work for a tree forward
-        if rows is not None:
-            fb = replace(fb, req_pool_indices=rows, req_rows_cpu=None)
-        return self._answer(fb, self.draft if mtp else self.target)
+        return self.answer(fb, self.target)
 
     def share_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens  # one process
+
+
+class StandInDraft:
+    """What the spec decoder reads of a DraftRunner: the draft's forwards answer from the runner's draft table."""
+
+    def __init__(self, runner: StandInRunner):
+        self.runner = runner
+
+    def forward(self, fb) -> _Out:
+        return self.runner.answer(fb, self.runner.draft_table)
 
 
 # ---- the measurement ----------------------------------------------------------------------------------

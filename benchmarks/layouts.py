@@ -3,7 +3,7 @@
     tp1, tp2 (tensor parallel), tp2-dp2 (+ DP attention, 2 groups), tp2-ep2 (+ expert parallel MoE)
 
 `engine_flags(name)` gives EngineArgs field values, `cli_flags(name)` the `dsctl` options,
-`split(name)` the (tp, dp) that benchmarks/bench_decode.py's per-GPU bytes floor takes.
+`split(name)` the (tp, dp) that the per-GPU bytes floor (engine/distributed/step_floor.py) takes.
 `python3 benchmarks/layouts.py NAME` prints the CLI flags (for shell scripts).
 """
 

@@ -105,7 +105,7 @@ stage_v3control() {
 
 stage_onebatch() {
     local bw
-    bw=$(python3 -c "import sys; sys.path.insert(0, '.'); from benchmarks.bench_decode import copy_bandwidth; print(copy_bandwidth())")
+    bw=$(python3 -c "import sys; sys.path.insert(0, '.'); from engine.distributed.step_floor import copy_bandwidth; print(copy_bandwidth())")
     for l in $LAYOUTS; do
         read -r -a lf <<< "$(python3 benchmarks/layouts.py "$l")"
         local depth=(); [ "$LAYERS" != full ] && depth=(--num-layers "$LAYERS")

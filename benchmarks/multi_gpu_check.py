@@ -4,7 +4,7 @@
         [--max-new-tokens 32] [--layouts tp1,tp2,tp2-dp2,tp2-ep2] [--modes eager,graph,graph+compile]
         [--device cuda] [--dtype auto] [--result-file F.jsonl]
 
-Every (layout, mode) runs as its own engine ranks (engine.ranked.RankedEngine, the processes `dsctl
+Every (layout, mode) runs as its own engine ranks (engine.runtime.offline.RankedEngine, the processes `dsctl
 serve` starts; tp1 too, so each run frees its GPUs when it ends). Dummy weights are a rank's slice
 of the TP-1 values (engine/weights/dummy.py), so every layout computes the same model. Prompts are
 random token ids of varied lengths, a third of them sharing a prefix (radix cache hits), all in one
@@ -87,7 +87,7 @@ class Run:
 def run_layout(base: dict, layout: str, mode: str, ids: list, max_new: int,
                compile_max_bs: int = LARGEST_GRAPH_SIZE) -> Run:
     from engine.args import EngineArgs
-    from engine.ranked import RankedEngine
+    from engine.runtime.offline import RankedEngine
     from engine.sampling import SamplingParams
 
     args = EngineArgs.of(**base, **engine_flags(layout), **mode_flags(mode, compile_max_bs))
@@ -166,9 +166,9 @@ def fit_layers(model: str, layouts: list[str], min_kv_tokens: int = 65536, spare
     plan does not count (CUDA graphs, the MoE workspace)."""
     import torch
 
-    from engine.config import parse_config
+    from engine.checkpoint.config import parse_config
+    from engine.checkpoint.registry import lookup
     from engine.distributed.sizing import Layout, plan_memory
-    from engine.models import lookup
 
     cfg = parse_config(lookup(model).config_dict())
     gpu = torch.cuda.get_device_properties(0).total_memory
@@ -240,8 +240,8 @@ def main(argv=None) -> int:
     for kv in a.engine_flag:
         name, value = kv.split("=", 1)
         base[name] = _value(value)
-    from engine.config import parse_config
-    from engine.models import lookup
+    from engine.checkpoint.config import parse_config
+    from engine.checkpoint.registry import lookup
 
     vocab = parse_config(lookup(a.model).config_dict()).vocab_size
     ids = prompts(vocab, a.prompts)

@@ -4,7 +4,7 @@
     python3 benchmarks/multi_gpu_tables.py serve OUT_DIR LAYOUT...           # serve_sweep.sh's JSONL per layout
 
 onebatch: each layout's median decode step at each batch size against its bytes floor per GPU
-(benchmarks/bench_decode.py `step_floor_s` with the layout's tp / dp, context = input + output / 2,
+(engine/distributed/step_floor.py `step_floor_s` with the layout's tp / dp, context = input + output / 2,
 bf16 KV, at the copy bandwidth measured in the same run), and its speed against tp1's step.
 serve: output tok/s, TTFT and ITL per concurrency for every layout, and output tok/s against tp1's.
 """
@@ -17,8 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_decode import step_floor_s  # noqa: E402
 from benchmarks.layouts import split  # noqa: E402
+from engine.distributed.step_floor import step_floor_s  # noqa: E402
 
 
 def layout_key(meta_layout: str) -> str:
@@ -27,8 +27,8 @@ def layout_key(meta_layout: str) -> str:
 
 
 def onebatch(path: str, bw: float) -> None:
-    from engine.config import parse_config
-    from engine.models import lookup
+    from engine.checkpoint.config import parse_config
+    from engine.checkpoint.registry import lookup
 
     rows = [json.loads(line) for line in open(path)]
     base = {r["batch_size"]: r["median_decode_latency_s"] for r in rows if r.get("layout", "tp1") == "tp1"}

@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 read -r -a layout_flags <<< "$(python3 benchmarks/layouts.py "$LAYOUT")" || exit 1
 layers=(); [ "$LAYERS" != full ] && layers=(--num-layers "$LAYERS")
 # copy bandwidth for the bytes floor of the table's last column, measured before the server takes the memory
-bw=$(python3 -c "import sys; sys.path.insert(0, '.'); from benchmarks.bench_decode import copy_bandwidth; print(copy_bandwidth())" 2>/dev/null || echo nan)
+bw=$(python3 -c "import sys; sys.path.insert(0, '.'); from engine.distributed.step_floor import copy_bandwidth; print(copy_bandwidth())" 2>/dev/null || echo nan)
 start=$(date +%s.%N)
 # shellcheck disable=SC2086
 (cd "$TREE" && exec python3 -m dsctl serve --model "$MODEL" --load-format dummy "${layers[@]}" --port "$PORT" \
@@ -49,7 +49,7 @@ MAXRUN=${MAXRUN:-256}  # the server's --max-running-requests (its default; per D
 python3 - "$OUT/$TAG.jsonl" "$TAG" "$MODEL" "$LAYERS" "$bw" "$MAXRUN" "$LAYOUT" <<'PY'
 import json, math, sys
 sys.path.insert(0, ".")
-from benchmarks.bench_decode import serving_floor_ms
+from engine.distributed.step_floor import serving_floor_ms
 from benchmarks.layouts import split
 rows = [json.loads(l) for l in open(sys.argv[1])]
 model, layers, bw, maxrun = sys.argv[3], (0 if sys.argv[4] == "full" else int(sys.argv[4])), float(sys.argv[5]), int(sys.argv[6])

@@ -30,7 +30,7 @@ t0 = time.perf_counter()
 sys.path.insert(0, {root!r})
 import torch
 from engine.args import EngineArgs
-from engine.runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 t_import = time.perf_counter() - t0
 args = EngineArgs.of(**{kw!r})
 t1 = time.perf_counter()

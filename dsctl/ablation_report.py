@@ -14,8 +14,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from rich.table import Table
+from rich.text import Text
+
 from dsctl.ablation_grid import Feature
 from dsctl.bench_ablation import RowResult
+from dsctl.tables import print_fitting
 
 ON, OFF, OK, FAILED = "✅", "➖", "✅", "❌"
 
@@ -45,8 +49,6 @@ def title(results: list[RowResult], model: str) -> str:
 
 
 def layouts(results: list[RowResult], features: list[Feature], model: str) -> list:
-    from rich.table import Table
-
     notes = _footnotes(results)
     first = _first_result(results)
     conc = first["concurrency"] if first else "C"
@@ -76,10 +78,6 @@ def layouts(results: list[RowResult], features: list[Feature], model: str) -> li
 
 
 def print_table(results: list[RowResult], features: list[Feature], model: str, console) -> None:
-    from rich.text import Text
-
-    from dsctl.tables import print_fitting
-
     print_fitting(console, layouts(results, features, model))
     for reason, n in _footnotes(results).items():
         console.print(Text(f"[{n}] {reason}"))
@@ -99,10 +97,10 @@ def write_jsonl(path: Path, results: list[RowResult]) -> None:
 def write_png(path: Path, results: list[RowResult], head: str) -> Optional[str]:
     """Bar charts of both throughputs per row; returns why it was skipped, or None when written."""
     try:
-        import matplotlib
+        import matplotlib  # lazy: optional dependency (dsctl[bench]); the table needs none
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: optional dependency; after matplotlib.use("Agg")
     except ImportError:
         return "matplotlib is not installed (pip install 'dsctl[bench]')"
     labels = [f"{r.index}. {r.label}" for r in results]

@@ -4,7 +4,7 @@ Each row of dsctl/ablation_grid.py runs `python -m dsctl bench offline` with tha
 row's flags in its own process, one after the other, so a crash, an out-of-memory
 or a start-up refusal costs only its row: the row shows ❌ with the first line of
 the error (the full output is kept in OUT_DIR/logs/). Flag combinations that the
-engine's launch checks refuse (EngineArgs.validate(), engine.ranked.check_launch: the
+engine's launch checks refuse (EngineArgs.validate(), engine.runtime.launch_checks.check_launch: the
 parallel layout against this machine and the model) are marked ❌ with their message
 without starting a process (the engine would refuse them the same way at start-up). The results go to
 OUT_DIR/ablation.jsonl (one line per row) and OUT_DIR/ablation.png, and the table
@@ -26,7 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from rich.console import Console
+
 from dsctl.ablation_grid import Row
+from dsctl.flags import non_server_groups, to_argv
+from engine.errors import DsctlError
 
 
 @dataclass
@@ -42,8 +46,6 @@ class Settings:
 
 def over_budget(index: int, row: Row, settings: Settings, spent: float) -> Optional[RowResult]:
     """A row that is not started because --time-budget is spent (❌ with that reason)."""
-    from dsctl.flags import non_server_groups, to_argv
-
     if settings.time_budget is None or spent < settings.time_budget:
         return None
     return RowResult(index, row.label, dict(row.state), to_argv(row.args, non_server_groups()), runnable=False,
@@ -87,8 +89,6 @@ def failure_reason(returncode: int, output: str) -> str:
 
 
 def row_command(row: Row, settings: Settings, result_file: Path) -> list[str]:
-    from dsctl.flags import non_server_groups, to_argv
-
     cmd = [sys.executable, "-m", "dsctl", "bench", "offline", *to_argv(row.args, non_server_groups())]
     for flag, value in (("--input-len", settings.input_len), ("--output-len", settings.output_len),
                         ("--concurrency", settings.concurrency)):
@@ -113,9 +113,7 @@ def run_command(cmd: list[str], log: Path, timeout: float) -> tuple[int, str, bo
 def _refused(index: int, row: Row) -> Optional[RowResult]:
     """A row known not to run here (a CUDA-only feature on a CPU), or whose flags the engine would refuse at
     start-up (checked here as the engine checks them): no process needed."""
-    from dsctl.flags import non_server_groups, to_argv
-    from engine.errors import DsctlError
-    from engine.ranked import check_launch, launch_args
+    from engine.runtime.launch_checks import check_launch, launch_args  # lazy: imports torch; keeps dsctl --help fast
 
     reason = row.refusal
     if reason is None:
@@ -131,8 +129,6 @@ def _refused(index: int, row: Row) -> Optional[RowResult]:
 
 def run_row(index: int, row: Row, settings: Settings, cmd: Optional[list[str]] = None) -> RowResult:
     """Run one row in its own process (cmd overrides the `bench offline` command, for tests)."""
-    from dsctl.flags import non_server_groups, to_argv
-
     logs = settings.out_dir / "logs"
     result_file = logs / f"row-{index:02d}.json"
     result_file.unlink(missing_ok=True)
@@ -154,7 +150,7 @@ def run_row(index: int, row: Row, settings: Settings, cmd: Optional[list[str]] =
 
 def run_ablation(rows: list[Row], settings: Settings) -> list[RowResult]:
     """Every row in turn, with a progress bar on stderr."""
-    from rich.console import Console
+    # lazy: rich.progress costs ~4 ms; cmd_bench imports this module at dsctl --help
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     results = []

@@ -11,7 +11,7 @@ Two figures, each timed after an untimed warm-up of the same shape:
 Prompts are random token ids, a fresh set for every run, so the radix cache never
 turns a timed prefill into a cache hit; `ignore_eos` makes every request produce
 exactly `output_len` tokens. Lengths default to small values on CPU, larger on CUDA.
-With --tp N the engine runs as N rank processes (engine.ranked.open_engine), so
+With --tp N the engine runs as N rank processes (engine.runtime.offline.open_engine), so
 `bench ablation` can measure EP-MoE and DP attention rows; it runs this command once
 per configuration.
 """
@@ -24,6 +24,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from engine.errors import UsageError
+from engine.speculative.stats import mean_accepted
 
 CPU_DEFAULTS = {"input_len": 32, "output_len": 16, "concurrency": 4}
 CUDA_DEFAULTS = {"input_len": 512, "output_len": 256, "concurrency": 64}
@@ -51,12 +57,12 @@ class _Prompts:
     """Fresh random prompts: every call returns ids never used before in this run."""
 
     def __init__(self, vocab: int, seed: int):
-        import torch
+        import torch  # lazy: keeps dsctl --help fast (cmd_bench reads this module's defaults for its help)
 
         self.vocab, self.gen = vocab, torch.Generator().manual_seed(seed)
 
     def take(self, n: int, length: int) -> list[list[int]]:
-        import torch
+        import torch  # lazy: keeps dsctl --help fast (cmd_bench reads this module's defaults for its help)
 
         return torch.randint(0, self.vocab, (n, length), generator=self.gen).tolist()
 
@@ -64,8 +70,7 @@ class _Prompts:
 def _timed_generate(engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, int, Optional[float]]:
     """Seconds, output tokens, and the mean accepted tokens per request-step of the call (None without
     speculative steps)."""
-    from engine.sampling import SamplingParams
-    from engine.speculative.stats import mean_accepted
+    from engine.sampling import SamplingParams  # lazy: imports torch; keeps dsctl --help fast
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     hist = engine.spec_accept_hist()
@@ -83,9 +88,9 @@ def _lengths(device_type: str, input_len, output_len, concurrency) -> tuple[int,
 def run_offline(args, input_len: Optional[int] = None, output_len: Optional[int] = None,
                 concurrency: Optional[int] = None, repeats: int = 1, progress=None) -> OfflineResult:
     """Build the Engine from `args` and measure (see the module docstring). `progress(text)` reports steps."""
-    from engine.errors import UsageError
-    from engine.ranked import open_engine
-    from engine.runner import pick_device, pick_dtype
+    # lazy: both import torch; keeps dsctl --help fast (cmd_bench reads this module's defaults for its help)
+    from engine.runner.model_runner import pick_device, pick_dtype
+    from engine.runtime.offline import open_engine  # lazy: imports torch; keeps dsctl --help fast
 
     say = progress or (lambda text: None)
     if min(x for x in (input_len, output_len, concurrency, repeats) if x is not None) < 1:
@@ -138,9 +143,6 @@ def write_result(path: Path, result: OfflineResult) -> None:
 
 
 def print_result(result: OfflineResult) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"bench offline: {result.model} on {result.device} {result.dtype}, input "
                         f"{result.input_len}, output {result.output_len} tokens", show_header=False)
     table.add_column(no_wrap=True)

@@ -7,10 +7,13 @@ engine.args); torch and triton are imported inside the command bodies so that
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import typer
 
+from dsctl.flags import expand_multi_values
+from dsctl.help_format import use_help_format
 from engine.errors import DsctlError
 
 app = typer.Typer(
@@ -27,10 +30,6 @@ COMMAND_MODULES = ("cmd_models", "cmd_generate", "cmd_download", "cmd_tune", "cm
 
 
 def _register() -> None:
-    import importlib
-
-    from dsctl.help_format import use_help_format
-
     for name in COMMAND_MODULES:
         importlib.import_module(f"dsctl.{name}").register(app)
     use_help_format(app)
@@ -40,8 +39,6 @@ _register()
 
 
 def main() -> None:
-    from dsctl.flags import expand_multi_values
-
     try:
         app(args=expand_multi_values(sys.argv[1:]), prog_name="dsctl")
     except DsctlError as exc:

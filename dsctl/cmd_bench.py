@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich.console import Console
 
+from dsctl import ablation_report
+from dsctl.ablation_grid import available_features, make_rows
+from dsctl.bench_ablation import Settings, run_ablation
+from dsctl.bench_offline import CPU_DEFAULTS, CUDA_DEFAULTS, print_result, run_offline, write_result
 from dsctl.flags import engine_command, non_server_groups
 from dsctl.help_format import DefaultCommandGroup
 from engine.args import EngineArgs
@@ -48,19 +53,17 @@ def one_batch(
                                            "one extra run per shape."),
 ) -> None:
     """Prefill and decode latency/throughput of one static batch per shape (no HTTP, no scheduler)."""
-    from dsctl.bench_one_batch import bench
-    from dsctl.bench_one_batch_report import print_table
+    from dsctl.bench_one_batch import bench  # lazy: imports torch; keeps dsctl --help fast
+    from dsctl.bench_one_batch_report import print_table  # lazy: imports torch; keeps dsctl --help fast
 
     run = bench(args, list(batch_size), list(input_len), list(output_len), result_file, profile, repeats)
-    print_table(run.results, run.context)
+    print_table(run.results, run.context, run.note)
 
 
 _LEN_HELP = "(default: {cpu} on CPU, {cuda} on CUDA)."
 
 
 def _len_help(what: str, key: str) -> str:
-    from dsctl.bench_offline import CPU_DEFAULTS, CUDA_DEFAULTS
-
     return f"{what.rstrip('.')} " + _LEN_HELP.format(cpu=CPU_DEFAULTS[key], cuda=CUDA_DEFAULTS[key])
 
 
@@ -77,10 +80,6 @@ def offline(
     result_file: Optional[Path] = typer.Option(None, "--result-file", help="Append one JSON line of results."),
 ) -> None:
     """Engine throughput without HTTP: decode tok/s at batch 1 and output tok/s at a concurrency."""
-    from rich.console import Console
-
-    from dsctl.bench_offline import print_result, run_offline, write_result
-
     with Console(stderr=True).status("bench offline") as status:
         result = run_offline(args, input_len, output_len, concurrency, repeats,
                              progress=lambda text: status.update(f"bench offline: {text}"))
@@ -93,7 +92,7 @@ def _has_cuda(device: str) -> bool:
     """Whether the rows run on a CUDA GPU (--device auto: when one is visible)."""
     if device != "auto":
         return device == "cuda"
-    import torch
+    import torch  # lazy: keeps dsctl --help fast
 
     return torch.cuda.is_available()
 
@@ -117,12 +116,6 @@ def ablation(
 ) -> None:
     """SGLang's DeepSeek ablation table on this machine: each optimisation on/off (where its flag exists),
     every row in its own process; runnable, decode tok/s at batch 1, output tok/s at a concurrency."""
-    from rich.console import Console
-
-    from dsctl.ablation_grid import available_features, make_rows
-    from dsctl.ablation_report import print_table, title, write_jsonl, write_png
-    from dsctl.bench_ablation import Settings, run_ablation
-
     args.validate()
     settings = Settings(input_len, output_len, concurrency, repeats, row_timeout, out_dir, time_budget)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -133,9 +126,10 @@ def ablation(
     console.print(f"bench ablation: {len(rows)} configurations of {args.model.model} on "
                   f"{'CUDA' if cuda else 'CPU'}, each in its own process ({runs} to start)", markup=False)
     results = run_ablation(rows, settings)
-    print_table(results, available_features(), args.model.model, console)
-    write_jsonl(out_dir / "ablation.jsonl", results)
-    skipped = write_png(out_dir / "ablation.png", results, title(results, args.model.model))
+    ablation_report.print_table(results, available_features(), args.model.model, console)
+    ablation_report.write_jsonl(out_dir / "ablation.jsonl", results)
+    skipped = ablation_report.write_png(out_dir / "ablation.png", results,
+                                        ablation_report.title(results, args.model.model))
     console.print(f"wrote {out_dir / 'ablation.jsonl'}" + (f"; PNG skipped: {skipped}" if skipped else
                                                           f" and {out_dir / 'ablation.png'}"), markup=False)
 
@@ -173,9 +167,7 @@ def serving(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write latency CDFs and throughput (PNG, matplotlib)."),
 ) -> None:
     """Benchmark an OpenAI-compatible server: throughput, TTFT, TPOT, ITL, E2E latency, goodput."""
-    from rich.console import Console
-
-    from dsctl.bench_serving.main import ServingOptions, run_serving
+    from dsctl.bench_serving.main import ServingOptions, run_serving  # lazy: numpy and httpx; keeps dsctl --help fast
 
     opts = ServingOptions(**{k: v for k, v in locals().items() if k in ServingOptions.__dataclass_fields__})
     run_serving(opts, Console(highlight=False))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich.console import Console
 
 HELP = (
     "Download a model from the Hugging Face hub (resumable, retried, verified).\n\n"
@@ -36,28 +37,23 @@ def download_command(
     retry_wait: float = typer.Option(1.0, "--retry-wait", min=0.0,
                                      help="First backoff in seconds; doubles per failure, capped at 60."),
 ) -> None:
-    from rich.console import Console
+    from dsctl import hub_download, hub_fetch, hub_repo  # lazy: huggingface_hub and httpx; keeps dsctl --help fast
 
-    from dsctl.hub_download import DownloadRequest, download, report_or_raise
-    from dsctl.hub_download import verify as verify_files
-    from dsctl.hub_fetch import RetryPolicy
-    from dsctl.hub_repo import resolve_repo_id
-
-    req = DownloadRequest(
-        model=model, repo_id=resolve_repo_id(model), revision=revision, local_dir=local_dir,
+    req = hub_download.DownloadRequest(
+        model=model, repo_id=hub_repo.resolve_repo_id(model), revision=revision, local_dir=local_dir,
         include=tuple(include), exclude=tuple(exclude), max_workers=max_workers, token=token,
-        policy=RetryPolicy(retries=retries, wait=retry_wait),
+        policy=hub_fetch.RetryPolicy(retries=retries, wait=retry_wait),
     )
     console = Console(highlight=False)
     if verify:
-        report_or_raise(verify_files(req, console), req, console, "verify")
+        hub_download.report_or_raise(hub_download.verify(req, console), req, console, "verify")
     else:
         try:
-            report = download(req, console)
+            report = hub_download.download(req, console)
         except KeyboardInterrupt:
             console.print("[yellow]interrupted: partial files are kept; run the same command to resume[/]")
             raise
-        report_or_raise(report, req, console, "download")
+        hub_download.report_or_raise(report, req, console, "download")
 
 
 def register(app: typer.Typer) -> None:

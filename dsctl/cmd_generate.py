@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from typing import List, Optional
 
 import typer
+from rich.console import Console
 
 from dsctl.flags import engine_command, non_server_groups
 from engine.args import EngineArgs
@@ -24,12 +26,8 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Wrap each prompt as a user message with the chat template."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
 ) -> None:
-    import json
-
-    from rich.console import Console
-
-    from engine.ranked import open_engine
-    from engine.sampling import SamplingParams
+    from engine.runtime.offline import open_engine  # lazy: imports torch; keeps dsctl --help fast
+    from engine.sampling import SamplingParams  # lazy: imports torch; keeps dsctl --help fast
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             min_p=min_p, seed=sample_seed, stop=list(stop)).validate()

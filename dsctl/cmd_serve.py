@@ -10,7 +10,7 @@ from engine.args import EngineArgs
 
 @engine_command(*engine_groups())
 def serve(args: EngineArgs) -> None:
-    from engine.server.serve import serve as run_server
+    from engine.server.serve import serve as run_server  # lazy: imports torch and uvicorn; keeps dsctl --help fast
 
     run_server(args)
 

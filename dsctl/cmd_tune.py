@@ -14,14 +14,19 @@ sizes (tuning/verify.py). The options both commands share are defined once (Tune
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.console import Console
+from rich.markup import escape
 
 from dsctl.option_sets import option, with_options
+from dsctl.tables import print_fitting
 from engine.errors import UsageError
+from kernels.interpret import interpreting
+from tuning.errors import NoGpuError, TuneFailed
 
 _BATCH_HELP = ("Comma-separated batch sizes (tokens per forward), e.g. 1,64,4096 (default: SGLang's 1, 2, 4, 8, 16, "
                "24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096).")
@@ -33,7 +38,7 @@ _VERIFY_HELP = ("Run the exhaustive search (SGLang's full grid) at these batch s
 
 
 def _batch_list(text: Optional[str], flag: str) -> Optional[list[int]]:
-    from tuning.shapes import parse_batch_sizes
+    from tuning.shapes import parse_batch_sizes  # lazy: imports torch; keeps dsctl --help fast
 
     if not text:
         return None
@@ -45,9 +50,9 @@ def _batch_list(text: Optional[str], flag: str) -> Optional[list[int]]:
 
 def _options(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, workers, device_name, grid,
              device):
-    from tuning import search_space as ss
-    from tuning.runner import TuneOptions
-    from tuning.shapes import parse_batch_sizes
+    from tuning import search_space as ss  # lazy: imports torch; keeps dsctl --help fast
+    from tuning.runner import TuneOptions  # lazy: imports torch; keeps dsctl --help fast
+    from tuning.shapes import parse_batch_sizes  # lazy: imports torch; keeps dsctl --help fast
 
     if max_configs is not None and max_configs < 1:
         raise UsageError("--max-configs must be >= 1")
@@ -63,7 +68,7 @@ def _options(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, 
 
 
 def _out_dir(out_dir: Optional[Path]) -> Path:
-    from kernels.tuned_configs import ENV_DIR, SHIPPED_DIR
+    from kernels.tuned_configs import ENV_DIR, SHIPPED_DIR  # lazy: imports torch; keeps dsctl --help fast
 
     if out_dir is not None:
         return out_dir.expanduser()
@@ -73,11 +78,9 @@ def _out_dir(out_dir: Optional[Path]) -> Path:
 
 def _device(opts: "TuneFlags", command: str) -> tuple[Optional[str], str]:
     """(torch device, device name for file names); a one-line error without a GPU (unless dry run)."""
-    import torch
+    import torch  # lazy: imports torch; keeps dsctl --help fast
 
-    from kernels.interpret import interpreting
-    from kernels.tuned_configs import device_name
-    from tuning.errors import NoGpuError
+    from kernels.tuned_configs import device_name  # lazy: imports torch; keeps dsctl --help fast
 
     if torch.cuda.is_available():
         return "cuda", device_name("cuda")
@@ -101,28 +104,24 @@ def _check_writable(out: Path) -> None:
 
 
 def _one_target(target, opts, device, console, precompiler, verify_sizes) -> None:
-    from dsctl.tables import print_fitting
-    from tuning.runner import print_report, tune
+    from tuning.runner import print_report, tune  # lazy: imports torch; keeps dsctl --help fast
 
     console.print(f"[bold]{target.title()}[/]")
     if opts.batch_sizes:
         report = tune(target, opts, device, console, precompiler)
         print_report(report, console, show=print_fitting)
     if verify_sizes:
-        from tuning.verify import print_verify, verify
+        from tuning.verify import print_verify, verify  # lazy: imports torch; keeps dsctl --help fast
 
         vrep = verify(target, opts, verify_sizes, device, console, precompiler)
         print_verify(vrep, console, show=print_fitting)
 
 
 def _run(targets: list, opts, device: Optional[str], dry_run: bool, verify_sizes: Optional[list[int]]) -> None:
-    from rich.console import Console
-
-    from kernels.tuned_configs import ENV_DIR, config_dirs
-    from tuning import search_space as ss
-    from tuning.errors import TuneFailed
-    from tuning.plan import plan, print_plans
-    from tuning.precompile import default_workers
+    from kernels.tuned_configs import ENV_DIR, config_dirs  # lazy: imports torch; keeps dsctl --help fast
+    from tuning import search_space as ss  # lazy: imports torch; keeps dsctl --help fast
+    from tuning.plan import plan, print_plans  # lazy: imports torch; keeps dsctl --help fast
+    from tuning.precompile import default_workers  # lazy: imports torch; keeps dsctl --help fast
 
     console = Console()
     workers = opts.workers or default_workers()
@@ -130,14 +129,12 @@ def _run(targets: list, opts, device: Optional[str], dry_run: bool, verify_sizes
     if dry_run:
         print_plans([plan(t, opts, limits, workers) for t in targets], opts, workers, console)
         if verify_sizes:
-            from dataclasses import replace
-
             ex = replace(opts, exhaustive=True, batch_sizes=verify_sizes)
             console.print("[bold]--verify-exhaustive[/] (the full grid at these batch sizes, after the staged search):")
             print_plans([plan(t, ex, limits, workers) for t in targets], ex, workers, console)
         console.print(f"output directory: {opts.out_dir}")
         return
-    from tuning.runner import make_precompiler
+    from tuning.runner import make_precompiler  # lazy: imports torch; keeps dsctl --help fast
 
     _check_writable(opts.out_dir)
     precompiler = None
@@ -215,10 +212,7 @@ class TuneFlags:
 
 def _announce(command: str, opts: TuneFlags, cfg, extra: str = "") -> None:
     """Say which model (and layout) is tuned: the default is DeepSeek-V3, which a user may not expect."""
-    from rich.console import Console
-    from rich.markup import escape
-
-    from engine.models import lookup
+    from engine.checkpoint.registry import lookup  # lazy: ~7 ms of dataclasses; keeps dsctl --help fast
 
     entry = lookup(opts.model)
     name = f"{entry.alias} ({entry.repo_id or 'built in'})" if entry else str(opts.model)
@@ -238,8 +232,8 @@ def tune_moe(
                                         help="Expert weights: fp8_w8a8 or bf16 (default: the checkpoint's)."),
 ) -> None:
     device, name = _device(opts, "tune-moe")
-    from tuning.shapes import load_model_config, moe_shape
-    from tuning.targets import MoETarget
+    from tuning.shapes import load_model_config, moe_shape  # lazy: imports torch; keeps dsctl --help fast
+    from tuning.targets import MoETarget  # lazy: imports torch; keeps dsctl --help fast
 
     cfg = load_model_config(opts.model)
     shape = moe_shape(cfg, tp=opts.tp, ep=ep, dtype=dtype)
@@ -289,8 +283,8 @@ def tune_fp8(
                                              help="Only the first N GEMM shapes (in --dry-run order)."),
 ) -> None:
     device, name = _device(opts, "tune-fp8")
-    from tuning.shapes import gemm_shapes, load_model_config
-    from tuning.targets import GemmTarget
+    from tuning.shapes import gemm_shapes, load_model_config  # lazy: imports torch; keeps dsctl --help fast
+    from tuning.targets import GemmTarget  # lazy: imports torch; keeps dsctl --help fast
 
     cfg = load_model_config(opts.model)
     names = [s for s in (layers or "").split(",") if s.strip()] or None

@@ -17,6 +17,11 @@ from __future__ import annotations
 
 import inspect
 
+from rich.console import Console
+from rich.padding import Padding
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
 _MIN_HELP_WIDTH = 36  # below this, names go on their own line
@@ -30,8 +35,6 @@ def _paragraphs(text: str) -> list[str]:
 
 
 def _help_text(text: str):
-    from rich.text import Text
-
     out = Text(text, overflow="fold")  # a word longer than the column wraps; never cut with "…"
     out.highlight_regex(r"\[(default|required|env var)[^\]]*\]", "dim")
     return out
@@ -60,11 +63,6 @@ def _command_rows(group, ctx) -> list[tuple[str, str]]:
 
 
 def _panel(title: str, rows: list[tuple[str, str]], width: int):
-    from rich.padding import Padding
-    from rich.panel import Panel
-    from rich.table import Table
-    from rich.text import Text
-
     inner = width - 4  # borders and the panel's own padding
     name_width = max(len(name) for name, _ in rows)
     grid = Table.grid(padding=(0, 2), expand=True)
@@ -84,9 +82,6 @@ def _panel(title: str, rows: list[tuple[str, str]], width: int):
 
 def render_help(command, ctx) -> None:
     """Print `command`'s help page to stdout, fitted to the terminal width (COLUMNS)."""
-    from rich.console import Console
-    from rich.text import Text
-
     console = Console(highlight=False)
     usage = " ".join([ctx.command_path, *command.collect_usage_pieces(ctx)])
     console.print(Text.assemble(("Usage: ", "yellow"), (usage, "bold")))

@@ -17,10 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from huggingface_hub import hf_hub_url
+from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.utils import build_hf_headers
 from rich.console import Console
 from rich.filesize import decimal as human
 from rich.markup import escape
+from rich.table import Table
 
+import dsctl
 from dsctl.hub_fetch import (
     TRANSIENT_STATUS,
     Cancelled,
@@ -33,8 +38,9 @@ from dsctl.hub_fetch import (
 )
 from dsctl.hub_layout import make_layout
 from dsctl.hub_progress import ProgressView
-from dsctl.hub_repo import HubError, RemoteFile, RepoListing, describe_hub_error, list_repo, select
+from dsctl.hub_repo import HubError, RemoteFile, RepoListing, describe_hub_error, endpoint, list_repo, select
 from dsctl.hub_verify import VerifiedRecord, file_matches
+from engine.checkpoint.check import check_checkpoint
 from engine.errors import DsctlError, UsageError
 
 
@@ -107,8 +113,6 @@ def _is_transport_error(exc: Exception) -> bool:
 
 
 def _transient(exc: Exception) -> tuple[bool, Optional[float]]:
-    from huggingface_hub.errors import HfHubHTTPError
-
     if _is_transport_error(exc):
         return True, None
     response = getattr(exc, "response", None)
@@ -144,8 +148,6 @@ def _is_connect_error(exc: Exception) -> bool:
 
 
 def unreachable_message(exc: Exception) -> str:
-    from dsctl.hub_repo import endpoint
-
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return (f"cannot reach the hub at {endpoint()} ({reason}): check the network (DNS, proxy, firewall); "
             "if the hub is blocked here, set HF_ENDPOINT to a mirror you can reach; models already downloaded "
@@ -224,12 +226,6 @@ class _Runner:
 
     def __init__(self, req: DownloadRequest, listing: RepoListing, layout, record: VerifiedRecord,
                  view: ProgressView):
-        from huggingface_hub import hf_hub_url
-        from huggingface_hub.utils import build_hf_headers
-
-        import dsctl
-        from dsctl.hub_repo import endpoint
-
         self.req, self.listing, self.layout, self.view = req, listing, layout, view
         self.record = record
         self.stop = threading.Event()
@@ -340,8 +336,6 @@ def make_plan(files, layout, record: VerifiedRecord) -> Plan:
 def _checkpoint_problems(listing: RepoListing, files, root: Path, outcomes: list[Outcome]) -> list[str]:
     if any(o.status == "failed" for o in outcomes) or not _weights_selected(listing.files, files):
         return []
-    from engine.weights.check import check_checkpoint
-
     return check_checkpoint(root)
 
 
@@ -404,8 +398,6 @@ def verify(req: DownloadRequest, console: Console) -> Report:
 
 
 def print_summary(report: Report, console: Console, verb: str) -> None:
-    from rich.table import Table
-
     counts = {s: sum(o.status == s for o in report.outcomes) for s in ("present", "checked", "downloaded", "failed")}
     table = Table(title=f"{verb} summary", show_header=False, title_justify="left")
     table.add_row("repo", f"{report.listing.repo_id} @ {report.listing.commit}")

@@ -19,8 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import httpx
+
 from dsctl.hub_repo import RemoteFile
 from dsctl.hub_verify import Hasher, hash_prefix
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None
 
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -113,8 +120,6 @@ def _http_error(response) -> str:
 
 def _attempt(t: Transfer, partial: Path, hasher: Hasher, received: list) -> None:
     """One GET from the partial file's size to the end; appends and hashes as it goes."""
-    import httpx
-
     have = hasher.count
     headers = dict(t.headers)
     if have:
@@ -149,11 +154,8 @@ def exclusive(lock_path: Path):
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a") as lock:
         try:
-            import fcntl
-
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # not POSIX: no locking
-            pass
+            if fcntl is not None:  # not POSIX: no locking
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             raise FetchError("another process is downloading this file right now") from None
         yield
@@ -201,8 +203,6 @@ def download_file(t: Transfer, f: RemoteFile, partial: Path) -> None:
 def make_client(connections: int):
     """An httpx client for file transfers: follows the hub's CDN redirects (dropping the token
     on the way, as httpx does across origins); read timeout HF_HUB_DOWNLOAD_TIMEOUT (default 30 s)."""
-    import httpx
-
     read = float(os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT") or 30)
     return httpx.Client(follow_redirects=True, timeout=httpx.Timeout(read, connect=min(read, 20.0)),
                         limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))

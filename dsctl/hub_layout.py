@@ -15,6 +15,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from huggingface_hub import constants
+
 from dsctl.hub_repo import RemoteFile
 
 
@@ -114,7 +116,5 @@ def make_layout(repo_id: str, revision: str, commit: str, local_dir: Optional[Pa
     if local_dir is not None:
         return LocalDirLayout(local_dir.expanduser().resolve())
     if cache_dir is None:
-        from huggingface_hub import constants
-
         cache_dir = Path(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE)
     return CacheLayout(cache_dir.expanduser(), repo_id, revision, commit)

@@ -8,10 +8,16 @@ the hub itself uses as the file's ETag.
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from huggingface_hub import HfApi, constants, errors
+from huggingface_hub.hf_api import RepoFile
+from huggingface_hub.utils import filter_repo_objects, get_session
+
+from engine.checkpoint.registry import lookup
 from engine.errors import DsctlError, UsageError
 
 
@@ -42,15 +48,11 @@ class HubError(DsctlError):
 
 def endpoint() -> str:
     """HF_ENDPOINT as it is now (huggingface_hub reads it only once, at import)."""
-    from huggingface_hub import constants
-
     return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
 
 
 def resolve_repo_id(model: str) -> str:
     """A registry alias or an org/name -> hub repo id; built-in models are rejected."""
-    from engine.models import lookup
-
     entry = lookup(model)
     if entry is not None:
         if entry.builtin:
@@ -80,10 +82,6 @@ CONNECT_TIMEOUT_S = 10.0  # first contact: a black-holed address fails in second
 def _connect_timeout(seconds: float):
     """A timeout that bounds only opening the connection (reads take as long as they take), in the form the
     HTTP library under huggingface_hub takes (httpx / httpx2 Timeout, or a requests (connect, read) pair)."""
-    import importlib
-
-    from huggingface_hub.utils import get_session
-
     module = type(get_session()).__module__.split(".")[0]
     if module == "requests":
         return (seconds, None)
@@ -93,9 +91,6 @@ def _connect_timeout(seconds: float):
 def list_repo(repo_id: str, revision: Optional[str], token: Optional[str],
               call: Callable = lambda fn: fn()) -> RepoListing:
     """The commit and files of repo_id@revision. `call` wraps each API call (retries)."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.hf_api import RepoFile
-
     api = HfApi(endpoint=endpoint(), token=token)
     rev = revision or "main"
     info = call(lambda: api.model_info(repo_id, revision=rev, timeout=_connect_timeout(CONNECT_TIMEOUT_S)))
@@ -107,16 +102,12 @@ def list_repo(repo_id: str, revision: Optional[str], token: Optional[str],
 
 def select(files: Sequence[RemoteFile], include: Sequence[str], exclude: Sequence[str]) -> list[RemoteFile]:
     """Files matching any --include glob (all when none) and no --exclude glob."""
-    from huggingface_hub.utils import filter_repo_objects
-
     return list(filter_repo_objects(files, allow_patterns=list(include) or None,
                                     ignore_patterns=list(exclude) or None, key=lambda f: f.path))
 
 
 def describe_hub_error(exc: Exception, repo_id: str, revision: Optional[str]) -> Optional[str]:
     """A one-line operator message for a huggingface_hub error, or None when not one of its errors."""
-    from huggingface_hub import errors
-
     if isinstance(exc, errors.GatedRepoError):
         return f"{repo_id} is gated: accept its terms on the hub and pass --token (or set HF_TOKEN)"
     if isinstance(exc, errors.RepositoryNotFoundError):

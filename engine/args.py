@@ -3,7 +3,7 @@
 Each group is a plain dataclass whose fields carry their CLI metadata (help text,
 allowed values, aliases): `ModelArgs` (what to load and how), `CacheArgs` (the KV
 pool and the prefix cache), `SchedulerArgs` (what runs each step), `KernelArgs`
-(attention / MoE backends, CUDA graphs, torch.compile, tuned configs),
+(kernel choices per op, CUDA graphs, torch.compile, tuned configs),
 `ParallelArgs` (one process per GPU: TP, DP attention, EP, multi-node), `SpeculativeArgs` (NextN /
 MTP speculative decoding) and `ServerArgs` (HTTP). `EngineArgs` holds one
 of each; a layer receives only its group (the scheduler gets `args.scheduler`, the
@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from engine.distributed.parallel_config import ParallelConfig
 from engine.errors import UsageError
 
 # Environment variable an operator may set instead of --kernel-config-dir (read here, once).
@@ -171,7 +172,7 @@ class SchedulerArgs:
 
 @dataclass
 class KernelArgs:
-    """Attention / MoE backends, CUDA graphs, torch.compile and tuned kernel configs."""
+    """Kernel choices per op (attention, MoE, FP8 GEMM, RMSNorm, MoE gate), CUDA graphs, torch.compile and tuned kernel configs."""
 
     attention_backend: str = flag(
         "auto", "MLA attention kernels: 'triton' (CUDA default), 'torch' (reference; CPU default), "
@@ -187,6 +188,20 @@ class KernelArgs:
     )
     moe_backend: str = flag(
         "auto", "MoE expert kernels: 'triton' fused MoE (CUDA default) or 'torch' (reference; CPU default).",
+        choices=("auto", "triton", "torch"),
+    )
+    gemm_backend: str = flag(
+        "auto", "Block-FP8 linear layers (FP8 weights on CUDA): 'cublas' (the Triton GEMM, cuBLASLt's block-scaled "
+        "FP8 GEMM where the tuned config says CUBLAS; CUDA default where cuBLASLt has it), 'triton' (Triton only), "
+        "'torch' (dequantised reference).",
+        choices=("auto", "cublas", "triton", "torch"),
+    )
+    rms_norm_backend: str = flag(
+        "auto", "RMSNorm: 'triton' kernel (CUDA default; torch under torch.compile) or 'torch' (CPU default).",
+        choices=("auto", "triton", "torch"),
+    )
+    moe_gate_backend: str = flag(
+        "auto", "MoE router top-k: 'triton' fused gate (CUDA default) or 'torch' (reference; CPU default).",
         choices=("auto", "triton", "torch"),
     )
     disable_cuda_graph: bool = flag(False, "Run decode eagerly instead of replaying CUDA graphs.")
@@ -217,6 +232,11 @@ class KernelArgs:
     def attention(self) -> str:
         """The attention backend asked for, with SGLang's --enable-flashinfer-mla folded in."""
         return "flashinfer" if self.enable_flashinfer_mla else self.attention_backend
+
+    def requested_kernels(self) -> dict[str, str]:
+        """The implementation asked for per op ('auto' or a name), keyed as engine/model/kernel_registry.py's ops."""
+        return {"attention": self.attention, "moe": self.moe_backend, "gemm": self.gemm_backend,
+                "rms_norm": self.rms_norm_backend, "moe_gate": self.moe_gate_backend}
 
     def config_dir(self) -> Optional[str]:
         """--kernel-config-dir, else $DSCTL_KERNEL_CONFIG_DIR, else None (the shipped configs only)."""
@@ -288,10 +308,9 @@ class ParallelArgs:
         600.0, "Seconds before a stuck collective or rendezvous fails (a dead rank ends the server within it).",
     )
 
-    def config(self):
-        """The engine.distributed.ParallelConfig these flags describe (--enable-ep-moe means ep = tp)."""
-        from engine.distributed.parallel_config import ParallelConfig
-
+    def config(self) -> ParallelConfig:
+        """The ParallelConfig these flags describe: --enable-ep-moe means ep = tp, and --dp defaults to --tp
+        under DP attention (the one place that default is computed)."""
         ep = self.tp_size if self.enable_ep_moe and self.ep_size == 1 else self.ep_size
         dp = self.tp_size if self.enable_dp_attention and self.dp_size == 1 else self.dp_size
         return ParallelConfig(tp_size=self.tp_size, dp_size=dp, enable_dp_attention=self.enable_dp_attention,

@@ -13,6 +13,7 @@ server, `bench` and tests all drive the model through this class.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
@@ -20,14 +21,17 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 
 from engine.args import EngineArgs
+from engine.checkpoint.tokenizer import load_tokenizer
+from engine.distributed.groups import init_parallel
 from engine.errors import RequestError, UsageError
-from engine.runner import ModelRunner, pick_device
+from engine.runner.model_runner import ModelRunner, pick_device
 from engine.sampling import SamplingParams
 from engine.scheduler.output import CollectedOutput
 from engine.scheduler.processor import OutputProcessor
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
-from engine.tokenizer import load_tokenizer
+from engine.speculative.decoder import SpecDecoder
+from engine.speculative.draft_runner import DraftRunner
 
 
 @dataclass
@@ -55,13 +59,14 @@ class Engine:
     def __init__(self, args: Optional[EngineArgs] = None, local_rank: Optional[int] = None, **overrides):
         """One engine over one model (flags: `args` and/or flag-name `overrides`).
 
-        With --tp N > 1 this is one rank of N: an engine rank process (engine/server/engine_process.py)
+        With --tp N > 1 this is one rank of N: an engine rank process (engine/runtime/rank_loop.py)
         passes its `local_rank` and this joins the torch.distributed world. To drive N ranks from one
-        process, use `engine.ranked.open_engine` (dsctl generate does)."""
+        process, use `engine.runtime.offline.open_engine` (dsctl generate does)."""
         args = (args or EngineArgs()).replace(**overrides)
         self.args = args.validate()
         torch.manual_seed(args.model.seed)
-        self.runner = ModelRunner(args, parallel=self._join_world(local_rank))
+        draft = DraftRunner if args.speculative.enabled else None
+        self.runner = ModelRunner(args, parallel=self._join_world(local_rank), draft=draft)
         self.tokenizer = load_tokenizer(self.runner.resolved.tokenizer_path)
         eos = self.tokenizer.eos_ids() if self.tokenizer else set()
         if not eos and self.runner.config.eos_token_id is not None:
@@ -76,9 +81,7 @@ class Engine:
             return None
         if local_rank is None:
             raise UsageError(f"--tp {pc.tp_size} runs one process per rank: start them with "
-                             "engine.ranked.open_engine(args) (or dsctl generate / serve)")
-        from engine.distributed.groups import init_parallel
-
+                             "engine.runtime.offline.open_engine(args) (or dsctl generate / serve)")
         return init_parallel(pc, local_rank, pick_device(self.args.model.device).type)
 
     def make_scheduler(self, **flags) -> Scheduler:
@@ -88,8 +91,6 @@ class Engine:
         outputs = OutputProcessor(self.tokenizer, self.eos_ids, self.runner.max_model_len)
         sched = Scheduler(self.runner, outputs, args.scheduler, radix_cache=not args.cache.disable_radix_cache)
         if args.speculative.enabled:  # (the scheduler then never mixes: running requests decode in spec steps)
-            from engine.speculative.decoder import SpecDecoder
-
             sched.spec = SpecDecoder(self.runner, args.speculative)
         return sched
 
@@ -178,8 +179,6 @@ def prompt_token_lists(prompts, input_ids, encode) -> list[list[int]]:
 
 
 def per_prompt(sp, n: int) -> list[SamplingParams]:
-    import copy
-
     if sp is None:
         return [SamplingParams() for _ in range(n)]
     if isinstance(sp, SamplingParams):

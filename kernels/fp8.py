@@ -34,6 +34,7 @@ from kernels.fp8_math import (
 )
 from kernels.interpret import interpreting
 from kernels.tile_order import grouped_tile
+from kernels.tuned_configs import get_fp8_gemm_config
 
 # --------------------------------------------------------------------------- references
 
@@ -269,7 +270,8 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP_SIZE, col
 
 def block_fp8_matmul(a: torch.Tensor, b_fp8: torch.Tensor, b_scale: torch.Tensor,
                      block: tuple[int, int] = (128, 128), out_dtype: Optional[torch.dtype] = None,
-                     config: Optional[dict] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     config: Optional[dict] = None, out: Optional[torch.Tensor] = None,
+                     cublas: bool = True) -> torch.Tensor:
     """a [..., K] (bf16/fp16/fp32) @ b.T with b [N, K] e4m3 and b_scale [ceil(N/bn), ceil(K/bk)] float32.
 
     `a` is quantised on the fly in 1 x bk groups (by a separate pass, or inside the GEMM
@@ -278,10 +280,8 @@ def block_fp8_matmul(a: torch.Tensor, b_fp8: torch.Tensor, b_scale: torch.Tensor
     M = a's rows). `config` (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages,
     optional QUANT_A; CUBLAS=1 takes cuBLASLt's block-scaled FP8 GEMM where torch offers it and
     K % 512 == 0, else the Triton kernel with the same dict) defaults to the tuned file for
-    (N, K) at the M nearest a's rows.
+    (N, K) at the M nearest a's rows. `cublas=False` ignores the CUBLAS key (the Triton kernel only).
     """
-    from kernels.tuned_configs import get_fp8_gemm_config
-
     k = b_fp8.shape[1]
     if a.shape[-1] != k:
         raise ValueError(f"a has K={a.shape[-1]}, b has K={k}")
@@ -289,7 +289,7 @@ def block_fp8_matmul(a: torch.Tensor, b_fp8: torch.Tensor, b_scale: torch.Tensor
     a2 = a.reshape(-1, k)
     m, n = a2.shape[0], b_fp8.shape[0]
     cfg = dict(config or get_fp8_gemm_config(n, k, m, device=a.device))
-    if cfg.get("CUBLAS", 0) and m and cublas_block_fp8_supported(a.device, block, k, n):
+    if cublas and cfg.get("CUBLAS", 0) and m and cublas_block_fp8_supported(a.device, block, k, n):
         aq, a_s = per_token_group_quant_fp8(a2, block[1], column_major_scales=True)
         res = cublas_block_fp8_matmul(aq, a_s, b_fp8, b_scale, out_dtype or a.dtype, out)
     elif cfg.get("QUANT_A", 0) and m:
@@ -307,8 +307,6 @@ def block_fp8_matmul_q(aq: torch.Tensor, a_scale: torch.Tensor, b_fp8: torch.Ten
                        config: Optional[dict] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """block_fp8_matmul for an already quantised a: aq [M, K] e4m3 with a_scale [M, ceil(K/bk)]
     (any strides; column-major reads fastest), e.g. one quantisation shared by q_a and kv_a."""
-    from kernels.tuned_configs import get_fp8_gemm_config
-
     cfg = dict(config or get_fp8_gemm_config(b_fp8.shape[0], b_fp8.shape[1], aq.shape[0], device=aq.device))
     if cfg.get("CUBLAS", 0) and aq.shape[0] and cublas_block_fp8_supported(aq.device, block, *b_fp8.shape[::-1]):
         return cublas_block_fp8_matmul(aq, a_scale, b_fp8, b_scale, out_dtype, out)
@@ -340,6 +338,16 @@ def cublas_block_fp8_supported(device, block=(128, 128), k: Optional[int] = None
         except Exception as exc:  # noqa: BLE001 - any failure means "not available here"
             _CUBLAS_STATE["why"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     return _CUBLAS_STATE["ok"]
+
+
+def cublas_unavailable_reason(device) -> str:
+    """Why cuBLASLt's block-scaled FP8 GEMM cannot run on `device` ('' when it can: probes like
+    cublas_block_fp8_supported)."""
+    if torch.device(device).type != "cuda" or interpreting():
+        return "cuBLASLt's block-scaled FP8 GEMM needs a CUDA GPU"
+    if cublas_block_fp8_supported(device):
+        return ""
+    return "cuBLASLt's block-scaled FP8 GEMM is not available here (" + _CUBLAS_STATE.get("why", "no support") + ")"
 
 
 def _probe_cublas(device) -> bool:

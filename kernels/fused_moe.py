@@ -31,6 +31,7 @@ from kernels.fp8_math import FP8_DTYPE, block_scale_shape, dequant_block_fp8, de
 from kernels.interpret import interpreting
 from kernels.moe_align import align_plan, align_small, moe_align_block_size
 from kernels.tile_order import grouped_tile
+from kernels.tuned_configs import get_moe_config, moe_dtype_name
 
 # --------------------------------------------------------------------------- reference
 
@@ -286,8 +287,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     `<KEY>_DOWN` overrides <KEY> for the down-projection GEMM (BLOCK_SIZE_M is shared by both).
     `out` ([T, K], x.dtype) receives the result if given.
     """
-    from kernels.tuned_configs import get_moe_config, moe_dtype_name
-
     t, k, e, n = _check(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, block_shape)
     top_k = topk_ids.shape[1]
     if out is None:

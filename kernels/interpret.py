@@ -14,7 +14,7 @@ import os
 def interpreting() -> bool:
     """True when Triton launches kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
     try:
-        from triton import knobs
+        from triton import knobs  # lazy: imports triton (~0.5 s); callers on CPU paths import this module
     except ImportError:  # Triton before 3.4 (no knobs) read the variable as exactly "1"
         return os.environ.get("TRITON_INTERPRET", "0") == "1"
     return bool(knobs.runtime.interpret)

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 def _forward(runner, mode, ids: list[int], spec_hidden=None, mtp: bool = False):
     from engine.forward_batch import ForwardBatch
+    from engine.speculative.draft_runner import DraftRunner
 
     row = runner.req_to_token.alloc()
     slots = runner.kv_pool.alloc(len(ids))
@@ -31,7 +32,7 @@ def _forward(runner, mode, ids: list[int], spec_hidden=None, mtp: bool = False):
         fb = ForwardBatch.build(mode, ids, [row], [0], [len(ids)], slots, list(range(len(ids))), runner.device)
         fb.spec_hidden = spec_hidden
         runner.req_to_token.set(row, 0, slots)
-        return runner.forward_mtp(fb) if mtp else runner.forward(fb)
+        return DraftRunner(runner).forward(fb) if mtp else runner.forward(fb)
     finally:
         runner.kv_pool.free(slots)
         runner.req_to_token.free(row)
@@ -67,7 +68,7 @@ def load_training_model(path: Path):
     """The checkpoint at path as a scripts/tiny_train_model.TinyDeepseek in float32, eval mode."""
     from safetensors.torch import load_file
 
-    from engine.config import load_config
+    from engine.checkpoint.config import load_config
     from scripts.tiny_train_model import TinyDeepseek, load_hf_state_dict
 
     cfg = load_config(path)

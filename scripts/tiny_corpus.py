@@ -6,7 +6,7 @@ of their path relative to that directory. The held-out split is by file: a file 
 crc32 of its relative path is 0 mod HELD_OUT_MOD, so the split of a given file does not depend
 on the Python version or on which other files exist.
 
-Tokens are bytes: the byte-level tokenizer of engine/weights/tiny_tokenizer.py maps byte b to id b
+Tokens are bytes: the byte-level tokenizer of engine/checkpoint/tiny_tokenizer.py maps byte b to id b
 (BOS / EOS at 256 / 257); each file is BOS + its UTF-8 bytes + EOS.
 """
 

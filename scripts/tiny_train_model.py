@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.model.layers import rms_norm
+from engine.checkpoint.config import ModelConfig
 from engine.model.rope import RotaryEmbedding
+from kernels.rms_norm import rms_norm_ref as rms_norm
 
 
 class Norm(nn.Module):

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, when run as a script
 
-from engine.config import parse_config  # noqa: E402
+from engine.checkpoint.config import parse_config  # noqa: E402
 from scripts import tiny_corpus  # noqa: E402
 from scripts.tiny_train_model import TinyDeepseek, hf_state_dict, load_hf_state_dict, update_router_bias  # noqa: E402
 
@@ -96,8 +96,8 @@ def evaluate(model: TinyDeepseek, windows: torch.Tensor, batch: int = 16) -> dic
 
 
 def export(model: TinyDeepseek, out: Path, config: dict) -> None:
-    from engine.weights.tiny import write_checkpoint
-    from engine.weights.tiny_tokenizer import write_tokenizer
+    from engine.checkpoint.tiny import write_checkpoint
+    from engine.checkpoint.tiny_tokenizer import write_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     write_checkpoint(out, config, hf_state_dict(model), num_shards=1)

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
+from kernels.fp8_math import block_scale_shape
 from tuning.search_space import config_key
 from tuning.shapes import GemmShape, MoEShape
 
@@ -42,8 +43,6 @@ def _generator(device, seed: int) -> torch.Generator:
 
 def _random_fp8(shape, block, gen, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Random e4m3 weight (values ~N(0, 1)) and float32 block scales in [0.005, 0.015)."""
-    from kernels.fp8_math import block_scale_shape
-
     w = torch.empty(shape, dtype=FP8, device=device)
     for i in range(shape[0]):  # one leading slice at a time: bounded temporary memory
         w[i] = torch.randn(shape[1:], generator=gen, device=device, dtype=torch.float32).to(FP8)
@@ -77,7 +76,7 @@ class MoEProblem:
         return max(1, min(8, math.ceil(256 / m)))  # enough routings that the experts touched exceed L2
 
     def routing(self, m: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        from kernels.moe_gate import moe_gate_ref
+        from kernels.moe_gate import moe_gate_ref  # lazy: imports triton; keeps --dry-run (CPU) off it
 
         r = self.shape.routing
         logits = torch.randn(m, r.n_experts, generator=gen, device=self.device) + self.popularity
@@ -100,14 +99,14 @@ class MoEProblem:
         return out
 
     def run(self, cfg: dict, inp: tuple, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        from kernels.fused_moe import fused_moe
+        from kernels.fused_moe import fused_moe  # lazy: imports triton; keeps --dry-run (CPU) off it
 
         x, ids, weights = inp
         return fused_moe(x, self.w13, self.w2, ids, weights, w13_scale=self.w13_scale, w2_scale=self.w2_scale,
                          block_shape=self.shape.block_shape or (128, 128), config=cfg, out=out)
 
     def reference(self, inp: tuple) -> torch.Tensor:
-        from kernels.fused_moe import fused_moe_ref
+        from kernels.fused_moe import fused_moe_ref  # lazy: imports triton; keeps --dry-run (CPU) off it
 
         x, ids, weights = inp
         return fused_moe_ref(x, self.w13, self.w2, ids, weights, w13_scale=self.w13_scale, w2_scale=self.w2_scale,
@@ -143,13 +142,13 @@ class GemmProblem:
                  *self.weights[i % len(self.weights)]) for i in range(count)]
 
     def run(self, cfg: dict, inp: tuple, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        from kernels.fp8 import block_fp8_matmul
+        from kernels.fp8 import block_fp8_matmul  # lazy: imports triton; keeps --dry-run (CPU) off it
 
         a, w, s = inp
         return block_fp8_matmul(a, w, s, self.shape.block_shape, config=cfg, out=out)
 
     def reference(self, inp: tuple) -> torch.Tensor:
-        from kernels.fp8 import block_fp8_matmul_ref
+        from kernels.fp8 import block_fp8_matmul_ref  # lazy: imports triton; keeps --dry-run (CPU) off it
 
         a, w, s = inp
         return block_fp8_matmul_ref(a, w, s, self.shape.block_shape)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from rich.table import Table
+
 from tuning import search_space as ss
 from tuning.runner import TuneOptions, halving_evals
 
@@ -94,8 +96,6 @@ def plan(target, opts: TuneOptions, limits: ss.Limits, workers: int) -> Plan:
 
 
 def print_plans(plans: list[Plan], opts: TuneOptions, workers: int, console) -> None:
-    from rich.table import Table
-
     for p in plans:
         console.print(f"[bold]{p.title}[/]")
         console.print(f"  file: {p.filename}", soft_wrap=True)  # one line, so the name copies whole

@@ -16,7 +16,14 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 import os
+import time
+from dataclasses import replace
 from typing import Callable, Iterable, Optional
+
+import torch
+
+from tuning.bench import GemmProblem, MoEProblem
+from tuning.search_space import config_key
 
 _PROBLEMS: dict = {}  # worker side: tiny problems by shape
 
@@ -29,15 +36,9 @@ def m_class(m: int) -> int:
 
 
 def _tiny_problem(kind: str, shape, device_index: int):
-    import torch
-
     key = (kind, shape)
     if key not in _PROBLEMS:
         torch.cuda.set_device(device_index)
-        from dataclasses import replace
-
-        from tuning.bench import GemmProblem, MoEProblem
-
         if kind == "moe":
             # 2 experts are enough: E is no kernel argument of the GEMMs; ids are drawn from them
             small = replace(shape, E=2, ep=1, routing=replace(shape.routing, n_experts=max(2, shape.top_k)))
@@ -50,8 +51,6 @@ def _tiny_problem(kind: str, shape, device_index: int):
 
 def _compile_one(kind: str, shape, device_index: int, m: int, cfg: dict) -> Optional[str]:
     """Worker: launch cfg once; None on success, else a one-line error."""
-    import torch
-
     try:
         prob = _tiny_problem(kind, shape, device_index)
         if kind == "moe":
@@ -84,10 +83,6 @@ class Precompiler:
     def compile(self, kind: str, shape, jobs: Iterable[tuple[int, dict]],
                 on_done: Optional[Callable[[int, int], None]] = None) -> dict[tuple, str]:
         """jobs: (batch size, config). Returns {config_key: error} of configs that failed."""
-        import time
-
-        from tuning.search_space import config_key
-
         t0 = time.perf_counter()
         todo = {}
         for m, cfg in jobs:

@@ -21,13 +21,23 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
 from engine.errors import UsageError
+from kernels.interpret import interpreting
+from kernels.tuned_configs import ENV_DIR, clear_config_cache, config_dirs, load_configs, nearest_config, save_configs
 from tuning import search_space as ss
+from tuning.bench import Bench, Timer, final_ranking, successive_halving
+from tuning.precompile import Precompiler, default_workers
 
 STATE_VERSION = 1
 
@@ -113,8 +123,6 @@ def _meta(target, opts: TuneOptions) -> dict:
 
 def load_done(target, opts: TuneOptions, out: Path) -> dict[int, BatchResult]:
     """Batch sizes already tuned (resume): the progress file, else the config file itself."""
-    from kernels.tuned_configs import load_configs
-
     if not opts.resume:
         return {}
     state = _state_path(out)
@@ -130,8 +138,6 @@ def load_done(target, opts: TuneOptions, out: Path) -> dict[int, BatchResult]:
 
 
 def save(target, opts: TuneOptions, out: Path, results: dict[int, BatchResult], complete: bool) -> None:
-    from kernels.tuned_configs import clear_config_cache, save_configs
-
     save_configs(out, {m: r.config for m, r in results.items()})
     state = _state_path(out)
     if complete:
@@ -163,10 +169,6 @@ def save_results(report: "TuneReport", opts: TuneOptions) -> None:
 
 def installed_configs(target, opts: TuneOptions) -> tuple[Optional[Path], dict[int, dict]]:
     """The config file the engine would use now (out dir, then DSCTL_KERNEL_CONFIG_DIR, then shipped)."""
-    import os
-
-    from kernels.tuned_configs import ENV_DIR, config_dirs, load_configs
-
     name = target.filename(opts.device_name)
     for d in [opts.out_dir, *config_dirs(os.environ.get(ENV_DIR))]:
         if (Path(d) / name).is_file():
@@ -243,8 +245,6 @@ class Searcher:
                 bench.trial(c).error = err
 
     def _halve(self, bench, cfgs: list[dict], rounds) -> list:
-        from tuning.bench import successive_halving
-
         self._add_total(halving_evals(len(cfgs), rounds, self.opts.eta, self.opts.keep))
         return successive_halving(bench, cfgs, rounds, self.opts.eta, self.opts.keep, self._on_result)
 
@@ -304,8 +304,6 @@ class Searcher:
         return None if ss.config_key(combined) in bench.trials else combined
 
     def tune_batch(self, m: int, existing: Optional[dict]) -> BatchResult:
-        from tuning.bench import Bench, Timer, final_ranking
-
         t0 = time.perf_counter()
         self.best = math.inf
         problem = self._problem()
@@ -353,11 +351,6 @@ class Searcher:
 
 def make_precompiler(opts: TuneOptions, device):
     """A compile pool on a GPU (not under the Triton interpreter), or None."""
-    import torch
-
-    from kernels.interpret import interpreting
-    from tuning.precompile import Precompiler, default_workers
-
     workers = opts.workers or default_workers()
     if torch.device(device).type != "cuda" or interpreting() or workers <= 1:
         return None
@@ -366,9 +359,6 @@ def make_precompiler(opts: TuneOptions, device):
 
 def tune(target, opts: TuneOptions, device="cuda", console=None, precompiler=None) -> TuneReport:
     """Tune `target` for opts.batch_sizes; writes opts.out_dir/<file name> after each batch size."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     console = console or Console()
     t0 = time.perf_counter()
     out = Path(opts.out_dir) / target.filename(opts.device_name)
@@ -419,8 +409,6 @@ def tune(target, opts: TuneOptions, device="cuda", console=None, precompiler=Non
 
 
 def _nearest(configs: dict[int, dict], m: int) -> Optional[dict]:
-    from kernels.tuned_configs import nearest_config
-
     return nearest_config(configs, m) if configs else None
 
 
@@ -433,8 +421,6 @@ def _us(v: Optional[float]) -> str:
 
 def report_layouts(report: TuneReport) -> list:
     """The tuned-vs-default table: every column, then (narrow terminals) the essential ones."""
-    from rich.table import Table
-
     title = f"{report.title}: tuned vs default config"
     wide, narrow = Table(title=title), Table(title=title)
     for col in ("M", "default\nus", "tuned\nus", "speed-up", "installed\nus", "configs\ntimed", "s"):

@@ -24,6 +24,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+import torch
+
 KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 MAX_ACC_REGS = 128  # float32 accumulator registers per thread before the kernel spills
@@ -69,8 +71,6 @@ class Limits:
 
     @classmethod
     def for_device(cls, device=None) -> "Limits":
-        import torch
-
         if not torch.cuda.is_available():
             return cls()
         props = torch.cuda.get_device_properties(device or torch.cuda.current_device())

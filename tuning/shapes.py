@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from engine.config import ModelConfig
+from engine.checkpoint.config import ModelConfig, load_config, parse_config
+from engine.checkpoint.registry import lookup
 from engine.errors import UsageError
+from kernels.tuned_configs import fp8_gemm_config_filename, moe_config_filename
 
 MOE_DTYPES = ("fp8_w8a8", "bf16")
 
@@ -55,8 +57,6 @@ class MoEShape:
     ep: int = 1
 
     def filename(self, device: str) -> str:
-        from kernels.tuned_configs import moe_config_filename
-
         return moe_config_filename(self.E, self.N, device, self.dtype, self.block_shape)
 
     def describe(self) -> str:
@@ -72,8 +72,6 @@ class GemmShape:
     block_shape: tuple[int, int] = (128, 128)
 
     def filename(self, device: str) -> str:
-        from kernels.tuned_configs import fp8_gemm_config_filename
-
         return fp8_gemm_config_filename(self.N, self.K, device, self.block_shape)
 
     def describe(self) -> str:
@@ -82,9 +80,6 @@ class GemmShape:
 
 def load_model_config(model: str) -> ModelConfig:
     """--model: a registry alias (deepseek-v3, ...), a known hub repo id, or a checkpoint directory."""
-    from engine.config import load_config, parse_config
-    from engine.models import lookup
-
     entry = lookup(model)
     if entry is not None:
         return parse_config(entry.config_dict())

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Optional
 
+from kernels.tuned_configs import default_fp8_gemm_config, default_moe_config
 from tuning import search_space as ss
+from tuning.bench import GemmProblem, MoEProblem
 from tuning.shapes import GemmShape, MoEShape
 
 
@@ -32,13 +34,9 @@ class MoETarget:
         return {"kind": self.kind, "shape": asdict(self.shape)}
 
     def problem(self, device, seed: int = 0):
-        from tuning.bench import MoEProblem
-
         return MoEProblem(self.shape, device, seed)
 
     def default_config(self, m: int) -> dict:
-        from kernels.tuned_configs import default_moe_config
-
         s = self.shape
         return default_moe_config(m, s.E, s.N, s.top_k, s.dtype)
 
@@ -84,13 +82,9 @@ class GemmTarget:
         return {"kind": self.kind, "shape": asdict(self.shape)}
 
     def problem(self, device, seed: int = 0):
-        from tuning.bench import GemmProblem
-
         return GemmProblem(self.shape, device, seed)
 
     def default_config(self, m: int) -> dict:
-        from kernels.tuned_configs import default_fp8_gemm_config
-
         return default_fp8_gemm_config(m, self.shape.N, self.shape.K)
 
     def candidates(self, m: int, limits: ss.Limits, grid: ss.Grid, batch_prune: bool = True) -> ss.Pruned:
@@ -107,7 +101,7 @@ class GemmTarget:
 
     def extras(self, cfg: dict, device) -> list[dict]:
         """cuBLASLt's block-scaled GEMM, where this torch / GPU / shape has it (CUBLAS: 1)."""
-        from kernels.fp8 import cublas_block_fp8_supported
+        from kernels.fp8 import cublas_block_fp8_supported  # lazy: imports triton; keeps --dry-run (CPU) off it
 
         if cublas_block_fp8_supported(device, self.shape.block_shape, self.shape.K, self.shape.N):
             return [{**triton_part(cfg), "CUBLAS": 1}]

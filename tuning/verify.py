@@ -22,7 +22,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kernels.tuned_configs import load_configs, nearest_config
 from tuning import search_space as ss
+from tuning.bench import Bench, Timer, final_ranking
 from tuning.runner import Searcher, TuneOptions, _dedupe, _us
 
 TOLERANCE = 0.03
@@ -82,8 +88,6 @@ def _timed(bench) -> int:
 
 
 def verify_batch(searcher: Searcher, exhaustive: Searcher, m: int, file_cfg: Optional[dict]) -> VerifyRow:
-    from tuning.bench import Bench, Timer, final_ranking
-
     target, opts = searcher.target, searcher.opts
     problem = searcher._problem()
     default = target.default_config(m)
@@ -116,11 +120,6 @@ def verify_batch(searcher: Searcher, exhaustive: Searcher, m: int, file_cfg: Opt
 def verify(target, opts: TuneOptions, batch_sizes: list[int], device="cuda", console=None,
            precompiler=None) -> VerifyReport:
     """Run the comparison for `batch_sizes`; the report is saved after each one."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from kernels.tuned_configs import load_configs, nearest_config
-
     console = console or Console()
     path = Path(opts.out_dir) / target.filename(opts.device_name)
     tuned = load_configs(path) if path.is_file() else {}
@@ -150,8 +149,6 @@ def verify(target, opts: TuneOptions, batch_sizes: list[int], device="cuda", con
 
 def verify_layouts(report: VerifyReport) -> list:
     """The staged-vs-exhaustive table: every column, then (narrow terminals) the essential ones."""
-    from rich.table import Table
-
     wide, narrow = Table(title=report.title), Table(title=report.title)
     for col in ("M", "staged\ns", "staged\nconfigs", "staged\nus", "file\nus", "exhaustive\ns",
                 "exhaustive\nconfigs", "best\nus", "gap"):

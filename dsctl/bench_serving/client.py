@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import httpx
+
 from dsctl.bench_serving.datasets import BenchRequest
 from dsctl.bench_serving.tokens import TokenCounter
 
@@ -155,8 +157,6 @@ def accepts_token_ids(api: Api, ids: list[int], timeout: float = 600.0) -> tuple
     One untimed request for one token. Only a 400/422 answer counts as a refusal; other failures
     (a server that is down, say) are left for the benchmark itself to report.
     """
-    import httpx
-
     body = {"model": api.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "stream": False}
     try:
         response = httpx.post(api.url, json=body, headers=api.headers, timeout=timeout)

@@ -21,6 +21,7 @@ from rich.markup import escape
 from dsctl.bench_serving.client import Api, accepts_token_ids, normalize_base_url
 from dsctl.bench_serving.datasets import load_requests
 from dsctl.bench_serving.metrics import Summary, summarize
+from dsctl.bench_serving.plot import _pyplot, write_plot
 from dsctl.bench_serving.random_prompts import pick_form
 from dsctl.bench_serving.report import append_result, length_warnings, record, render
 from dsctl.bench_serving.runner import Load, first_model_card, run_load
@@ -112,8 +113,6 @@ def run_serving(opts: ServingOptions, console: Console) -> Summary:
     if opts.endpoint not in ("completions", "chat"):
         raise UsageError("--endpoint must be completions or chat")
     if opts.plot is not None:
-        from dsctl.bench_serving.plot import _pyplot
-
         _pyplot()  # fail before the run, not after it
     base = normalize_base_url(opts.base_url)
     card = _model_card(opts, base)
@@ -148,8 +147,6 @@ def run_serving(opts: ServingOptions, console: Console) -> Summary:
         append_result(opts.result_file, rec)
         console.print(f"result appended to {opts.result_file}")
     if opts.plot is not None:
-        from dsctl.bench_serving.plot import write_plot
-
         write_plot(results, opts.plot, title)
         console.print(f"plot written to {opts.plot}")
     if summary.completed == 0:

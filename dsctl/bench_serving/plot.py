@@ -12,10 +12,10 @@ from engine.errors import UsageError
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # lazy: optional dependency (dsctl[bench]), imported only for --plot
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: optional dependency; after matplotlib.use("Agg")
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install matplotlib (or dsctl[bench])") from None
     return plt

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import httpx
 import numpy as np
 
 from dsctl.bench_serving.client import Api, RequestResult, send
@@ -37,8 +38,6 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
 
 
 def _client(load: Load, n: int):
-    import httpx
-
     slots = load.max_concurrency or max(n, 1)
     return httpx.AsyncClient(timeout=httpx.Timeout(load.timeout_s, connect=30.0),
                              limits=httpx.Limits(max_connections=slots, max_keepalive_connections=slots))
@@ -71,8 +70,6 @@ def run_load(api: Api, requests: list[BenchRequest], load: Load, seed: int,
 
 def first_model_card(base_url: str, api_key: Optional[str]) -> dict:
     """The first model the server lists at /v1/models: {"id": ..., and "root" where the server says}."""
-    import httpx
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0)
     response.raise_for_status()

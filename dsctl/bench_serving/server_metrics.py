@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import httpx
+
 SPEC = "dsctl_spec_accepted_tokens"
 
 
 def spec_counts(base: str, api_key: Optional[str] = None) -> Optional[tuple[float, float]]:
     """(sum, count) of the server's accepted-tokens histogram, or None when it has none."""
-    import httpx
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         text = httpx.get(f"{base}/metrics", headers=headers, timeout=5).text

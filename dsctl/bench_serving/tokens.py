@@ -4,7 +4,7 @@ It supplies the ids of random token-id prompts, verifies the length of random
 text prompts, and counts tokens when the server reports no usage. A registry
 alias (`deepseek-v3`, `tiny`, ...) gets the tokenizer a dummy server of that
 model uses: the checkpoint's when it is in the local Hugging Face cache, else the
-stand-in dsctl generates at the model's vocab size (engine/dummy_tokenizer.py).
+stand-in dsctl generates at the model's vocab size (engine/checkpoint/dummy_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
+from huggingface_hub import try_to_load_from_cache
+from tokenizers import Tokenizer
 
+from engine.checkpoint.resolve import registry_tokenizer
 from engine.errors import UsageError
 
 
@@ -55,8 +58,6 @@ def _tokenizer_file(spec: str) -> Optional[tuple[Path, str]]:
         return path, str(path)
     if path.is_dir():
         return (path / "tokenizer.json", str(path)) if (path / "tokenizer.json").is_file() else None
-    from engine.resolve import registry_tokenizer
-
     found = registry_tokenizer(spec)
     if found is not None:
         directory, source = found
@@ -66,8 +67,6 @@ def _tokenizer_file(spec: str) -> Optional[tuple[Path, str]]:
         return None
     if spec.count("/") != 1:
         return None
-    from huggingface_hub import try_to_load_from_cache
-
     cached = try_to_load_from_cache(spec, "tokenizer.json")
     return (Path(cached), f"{spec} ({cached})") if isinstance(cached, str) else None
 
@@ -82,8 +81,6 @@ def load_tokenizer(spec: Optional[str], required: bool) -> Optional[TokenCounter
             raise UsageError(f"no tokenizer.json found for --tokenizer {spec!r} "
                              "(give a file, a checkpoint directory, a registry alias or a repo in the local HF cache)")
         return None
-    from tokenizers import Tokenizer
-
     file, source = found
     return TokenCounter(Tokenizer.from_file(str(file)), source)
 

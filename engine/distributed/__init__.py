@@ -1,6 +1,7 @@
-"""Process model for tensor parallelism: flags, process groups, collectives, rank launch, memory sizing.
+"""Tensor parallelism and DP attention: flags, process groups, collectives, DP-attention gathers and
+agreement, memory sizing.
 
-One engine process per GPU rank, joined with torch.distributed (NCCL on CUDA, gloo on
-CPU). Import the submodules directly; this package imports nothing heavy on its own
-(`launch` and `parallel_config` do not import torch, so rank supervisors stay light).
+One engine process per GPU rank, joined with torch.distributed (NCCL on CUDA, gloo on CPU). Import
+the submodules directly; this package imports nothing on its own (`parallel_config` and
+`divisibility` do not import torch, so launch checks stay light).
 """

@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from engine.distributed.groups import TPGroup
 
@@ -46,8 +47,6 @@ def all_reduce(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """Sum x over the group, in place; returns x."""
     if group.size == 1:
         return x
-    import torch.distributed as dist
-
     dist.all_reduce(x, group=group.device_group)
     return x
 
@@ -65,8 +64,6 @@ def all_gather_rows(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """[T, ...] on every rank (same shape) -> [size * T, ...], rank r's rows at [r * T, (r + 1) * T)."""
     if group.size == 1:
         return x
-    import torch.distributed as dist
-
     x = x.contiguous()
     out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -78,8 +75,6 @@ def broadcast_tensor(x: torch.Tensor, src: int, group: TPGroup) -> torch.Tensor:
     """Overwrite x on every rank with group rank `src`'s x (same shape and dtype everywhere); returns x."""
     if group.size == 1:
         return x
-    import torch.distributed as dist
-
     dist.broadcast(x, src=group.world_rank(src), group=group.device_group)
     return x
 
@@ -88,8 +83,6 @@ def broadcast_object(obj: Any, src: int, group: TPGroup) -> Any:
     """Group rank `src`'s `obj` (pickled over the gloo cpu_group) on every rank; others pass anything."""
     if group.size == 1:
         return obj
-    import torch.distributed as dist
-
     box = [obj if group.rank == src else None]
     dist.broadcast_object_list(box, src=group.world_rank(src), group=group.cpu_group)
     return box[0]
@@ -99,8 +92,6 @@ def all_reduce_min_int(value: int, group: TPGroup) -> int:
     """The smallest `value` over the group (e.g. KV tokens that fit on every rank)."""
     if group.size == 1:
         return int(value)
-    import torch.distributed as dist
-
     t = torch.tensor([int(value)], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.cpu_group)
     return int(t[0])
@@ -110,8 +101,6 @@ def all_reduce_max_int(value: int, group: TPGroup) -> int:
     """The largest `value` over the group (host side)."""
     if group.size == 1:
         return int(value)
-    import torch.distributed as dist
-
     t = torch.tensor([int(value)], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.cpu_group)
     return int(t[0])
@@ -121,8 +110,6 @@ def all_gather_ints(value: int, group: TPGroup) -> list[int]:
     """Every rank's `value`, in group-rank order (host side)."""
     if group.size == 1:
         return [int(value)]
-    import torch.distributed as dist
-
     parts = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
     dist.all_gather(parts, torch.tensor([int(value)], dtype=torch.int64), group=group.cpu_group)
     return [int(p[0]) for p in parts]
@@ -132,8 +119,6 @@ def gather_objects(obj: Any, group: TPGroup) -> Optional[list]:
     """Every rank's picklable `obj` (rank order) on group rank 0; None on the other ranks."""
     if group.size == 1:
         return [obj]
-    import torch.distributed as dist
-
     box = [None] * group.size if group.rank == 0 else None
     dist.gather_object(obj, box, dst=group.world_rank(0), group=group.cpu_group)
     return box
@@ -143,6 +128,4 @@ def barrier(group: TPGroup) -> None:
     """Wait until every rank of the group gets here (host side)."""
     if group.size == 1:
         return
-    import torch.distributed as dist
-
     dist.barrier(group=group.cpu_group)

@@ -15,8 +15,8 @@ all-reduce every rank holds every token's output and keeps its own group's rows.
 The counts are exchanged once per forward on the host (`agree`: an all-gather of each rank's next
 forward, kind and token count, over the gloo group), before any layer runs. A group whose next forward
 is of another kind, or that has no work left in this iteration, joins with 0 tokens and runs an idle
-forward of the agreed kind (engine/runner.py), so every rank runs the same collectives in the same
-order; the iteration ends when every rank has nothing left (engine/server/engine_process.py).
+forward of the agreed kind (dp_sync.py), so every rank runs the same collectives in the same order; the
+iteration ends when every rank has nothing left (engine/runtime/rank_loop.py).
 
 CUDA graphs: when every group runs a decode batch (or nothing) that fits a captured size, all groups
 replay the graph of one padded size, captured with a `uniform` gather (every group at that width,

@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from engine.distributed.parallel_config import ParallelConfig
 from engine.errors import DsctlError
@@ -87,8 +88,6 @@ class ParallelState:
         """Leave the world (idempotent). Every rank should call it before exiting cleanly."""
         if not self.owns_world:
             return
-        import torch.distributed as dist
-
         self.owns_world = False
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -103,8 +102,6 @@ def single_process(device: torch.device | str = "cpu") -> ParallelState:
 def _attention_group(rank: int, world: int, dp: int, timeout: timedelta) -> TPGroup:
     """This rank's attention-TP group under DP attention: world / dp consecutive ranks. Every rank
     creates every group's process groups, in the same order (torch.distributed requires it)."""
-    import torch.distributed as dist
-
     size = world // dp
     mine = None
     for g in range(dp):
@@ -119,8 +116,6 @@ def _attention_group(rank: int, world: int, dp: int, timeout: timedelta) -> TPGr
 
 def init_parallel(config: ParallelConfig, local_rank: int, device_type: str = "cpu") -> ParallelState:
     """Join the world as this node's `local_rank` and build the TP group (all world ranks, for now)."""
-    import torch.distributed as dist
-
     rank, world = config.global_rank(local_rank), config.world_size
     if device_type == "cuda":
         device = torch.device("cuda", config.gpu_id(local_rank))

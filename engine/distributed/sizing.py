@@ -34,8 +34,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from engine.config import ModelConfig
-from engine.distributed.parallel_config import working_tp_sizes
+from engine.checkpoint.config import ModelConfig, parse_config
+from engine.checkpoint.registry import lookup
+from engine.distributed.divisibility import working_tp_sizes
 from engine.errors import UsageError
 
 GIB = 2**30
@@ -62,7 +63,10 @@ class WeightBytes:
         return self.params_per_rank() + self.absorbed / self.attn_tp_size
 
 
-class _Tally:
+class Tally:
+    """Parameter bytes by how TP treats them (`bytes[REPL / SPLIT / ATTN]`), added up part by part (also by
+    engine/distributed/step_floor.py, for the weights one decode step reads)."""
+
     def __init__(self, dtype_bytes: int, fp8_block: Optional[tuple[int, int]]):
         self.dtype_bytes, self.fp8_block = dtype_bytes, fp8_block
         self.bytes = {REPL: 0, SPLIT: 0, ATTN: 0}  # (vocab rows are split like attention: ATTN)
@@ -71,7 +75,7 @@ class _Tally:
     def dense(self, numel: int, where: str, itemsize: Optional[int] = None) -> None:
         self.bytes[where] += numel * (itemsize or self.dtype_bytes)
 
-    def linear(self, out_f: int, in_f: int, where: str, count: int = 1, fp8: bool = True) -> None:
+    def linear(self, out_f: int, in_f: int, where: str, count: float = 1, fp8: bool = True) -> None:
         """`count` weights [out_f, in_f]: block-FP8 (+ float32 scales) when the model keeps FP8 weights."""
         if fp8 and self.fp8_block:
             bn, bk = self.fp8_block
@@ -84,9 +88,21 @@ class _Tally:
         self.linear(inter, hidden, SPLIT, count=2)  # gate, up
         self.linear(hidden, inter, SPLIT)  # down
 
-    def decoder_layer(self, cfg: ModelConfig, moe: bool) -> None:
+    def decoder_layer(self, cfg: ModelConfig, moe: bool, experts: Optional[float] = None) -> None:
+        """One decoder layer; an MoE layer with every routed expert, or `experts` of them (a decode step's
+        expected count)."""
+        self.dense(2 * cfg.hidden_size, REPL)  # input / post-attention norms
+        self.attention(cfg)
+        self.absorbed += cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank * \
+            self.dtype_bytes
+        if moe:
+            self.moe(cfg, cfg.n_routed_experts if experts is None else experts)
+        else:
+            self.mlp(cfg.hidden_size, cfg.intermediate_size)
+
+    def attention(self, cfg: ModelConfig) -> None:
+        """MLA's projections and their norms (q_a / kv_a replicated; q_b or q, kv_b, o_proj over attention TP)."""
         h, heads = cfg.hidden_size, cfg.num_attention_heads
-        self.dense(2 * h, REPL)  # input / post-attention norms
         if cfg.q_lora_rank:
             self.linear(cfg.q_lora_rank, h, REPL)
             self.dense(cfg.q_lora_rank, REPL)
@@ -97,16 +113,16 @@ class _Tally:
         self.dense(cfg.kv_lora_rank, REPL)
         self.linear(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank, ATTN)
         self.linear(h, heads * cfg.v_head_dim, ATTN)
-        self.absorbed += heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank * self.dtype_bytes
-        if not moe:
-            self.mlp(h, cfg.intermediate_size)
-            return
-        e, n = cfg.n_routed_experts, cfg.moe_intermediate_size
+
+    def moe(self, cfg: ModelConfig, experts: float) -> None:
+        """An MoE layer's router (and its bias), `experts` routed experts (all of them, or the expected number
+        a decode step touches) and the shared experts."""
+        h, e, n = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.dense(e * h, REPL)  # router
         if cfg.topk_method == "noaux_tc":
             self.dense(e, REPL, itemsize=4)
-        self.linear(2 * n, h, SPLIT, count=e)  # w13
-        self.linear(h, n, SPLIT, count=e)  # w2
+        self.linear(2 * n, h, SPLIT, count=experts)  # w13
+        self.linear(h, n, SPLIT, count=experts)  # w2
         if cfg.n_shared_experts:
             self.mlp(h, cfg.n_shared_experts * n)
 
@@ -115,7 +131,7 @@ def weight_bytes(cfg: ModelConfig, tp_size: int, dtype_bytes: int = 2, fp8_block
                  include_mtp: bool = True, attn_tp_size: Optional[int] = None) -> WeightBytes:
     """Parameter bytes of `cfg` as the engine builds it (model dtype `dtype_bytes`; `fp8_block` when the
     linear weights are kept block-FP8), split by how TP `tp_size` treats them."""
-    t = _Tally(dtype_bytes, fp8_block)
+    t = Tally(dtype_bytes, fp8_block)
     h = cfg.hidden_size
     t.dense(cfg.vocab_size * h, ATTN)  # embed_tokens (vocab rows over the attention group)
     if not cfg.tie_word_embeddings:
@@ -269,9 +285,6 @@ def table(cfg: ModelConfig, mem_fraction_static: float = 0.85) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    from engine.config import parse_config
-    from engine.models import lookup
-
     p = argparse.ArgumentParser(prog="python -m engine.distributed.sizing", description=__doc__.splitlines()[0])
     p.add_argument("--table", action="store_true", help="print the per-GPU table of docs/parallelism.md")
     p.add_argument("--model", default="deepseek-v3", help="a model alias with a shipped config (default deepseek-v3)")

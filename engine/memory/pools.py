@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from engine.config import ModelConfig
+from engine.checkpoint.config import ModelConfig
 from engine.forward_batch import tensor_to_device
 
 

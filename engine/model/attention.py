@@ -11,9 +11,10 @@ rotated shared rope key k_pe (qk_rope_head_dim). Two ways to attend:
 
 Backends implement `begin_forward` (per-forward planning), `extend` and `decode`;
 `TorchAttentionBackend` is the reference the Triton/FlashInfer backends are
-checked against. A layer finds the backend, the KV pool, the request table and
-the rope table in the `ForwardContext` passed down the forward
-(engine/model/context.py); backends are chosen by name in engine/model/backends.py.
+checked against (the protocol, `AttentionBackend`, is in engine/model/context.py). A layer finds
+the backend, the KV pool, the request table and the rope table in the `ForwardContext` passed down
+the forward; backends are chosen by name in engine/model/kernel_registry.py, and the layer's
+projections and norms run the `Kernels` it is given at construction (engine/model/kernel_set.py).
 
 Tensor parallelism splits MLA by heads: q_a / kv_a (and their norms) are replicated,
 q_b (or q_proj), kv_b and the absorbed w_kc / w_vc hold this rank's `H / tp` heads, o_proj
@@ -27,24 +28,25 @@ key and value and runs plain multi-head attention: engine/model/attention_expand
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.distributed import comm
+from engine.checkpoint.config import ModelConfig
 from engine.distributed.groups import TPGroup
 from engine.forward_batch import ForwardBatch
 from engine.model.context import ForwardContext
+from engine.model.kernel_set import REFERENCE, Kernels
 from engine.model.layers import Linear, RMSNorm, solo_group, tp_local
 
 
 class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, fp8_block=None,
-                 tp: Optional[TPGroup] = None):
+                 tp: Optional[TPGroup] = None, kernels: Kernels = REFERENCE):
         super().__init__()
         self.layer_id = layer_id
+        self.kernels = kernels
         self.tp = tp or solo_group()
         self.num_heads = h = tp_local(cfg.num_attention_heads, self.tp, "num_attention_heads")  # this rank's heads
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -52,15 +54,16 @@ class MLA(nn.Module):
         self.scale = cfg.softmax_scale
         qk = cfg.qk_head_dim
         if cfg.q_lora_rank:
-            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype, fp8_block)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
-            self.q_b_proj = Linear(cfg.q_lora_rank, h * qk, dtype, fp8_block)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype, fp8_block, kernels)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, kernels)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * qk, dtype, fp8_block, kernels)
         else:
-            self.q_proj = Linear(cfg.hidden_size, h * qk, dtype, fp8_block)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, fp8_block)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (self.nope + self.v_dim), dtype, fp8_block)
-        self.o_proj = Linear(h * self.v_dim, cfg.hidden_size, dtype, fp8_block)
+            self.q_proj = Linear(cfg.hidden_size, h * qk, dtype, fp8_block, kernels)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, fp8_block,
+                                         kernels)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype, kernels)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (self.nope + self.v_dim), dtype, fp8_block, kernels)
+        self.o_proj = Linear(h * self.v_dim, cfg.hidden_size, dtype, fp8_block, kernels)
         # Absorbed per-head weights, filled by absorb() after loading.
         self.register_buffer("w_kc", torch.empty(h, self.nope, cfg.kv_lora_rank, dtype=dtype), persistent=False)
         self.register_buffer("w_vc", torch.empty(h, self.v_dim, cfg.kv_lora_rank, dtype=dtype), persistent=False)
@@ -112,18 +115,7 @@ class MLA(nn.Module):
                 out = ctx.attn_backend.decode(self, q_nope, q_pe, fb, ctx)
             else:
                 out = ctx.attn_backend.extend(self, q_nope, q_pe, c_kv, k_pe, fb, ctx)
-        return comm.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.v_dim)), self.tp)
-
-
-class AttentionBackend(Protocol):
-    def begin_forward(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: int | None = None) -> None:
-        """Host-side set-up once per forward, before any layer runs (graph_bs: the CUDA graph's padded size)."""
-
-    def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        """New tokens' attention output [T, H, v]."""
-
-    def decode(self, layer: MLA, q_nope, q_pe, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        """One token per request; output [B, H, v]."""
+        return self.kernels.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.v_dim)), self.tp)
 
 
 class TorchAttentionBackend:

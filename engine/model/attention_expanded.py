@@ -11,7 +11,7 @@ Every mode is the same computation: the batch's new tokens (q, and their fresh k
 attend to their request's cached prefix read from the pool and, causally, to each other.
 A decode step is one new token per request.
 
-Backends (engine/model/backends.py builds these when BackendSetup.expanded_kv):
+Backends (engine/model/kernel_registry.py builds these when KernelSetup.expanded_kv):
 - `TorchExpandedAttention`: the reference, one request at a time, float32 softmax.
 - `TritonExpandedAttention`: decode runs kernels/mha_decode.py, a paged kernel that reads
   each request's per-head K/V straight from the pool through the req->token table (fixed
@@ -28,6 +28,8 @@ import torch
 from engine.forward_batch import ForwardBatch
 from engine.model.attention import MLA
 from engine.model.context import ForwardContext
+from kernels.mha_decode import mha_decode
+from kernels.mla_extend import extend_attention
 
 PREFIX_GATHER_BYTES = 1 << 30  # cached K/V one Triton launch gathers (a lone request may exceed it)
 
@@ -111,13 +113,9 @@ class TritonExpandedAttention(ExpandedAttentionBackend):
     @torch.compiler.disable
     def attend(self, layer: MLA, q, k, v, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         if fb.mode.is_decode:  # the new token is in the pool already (expand_and_attend wrote it)
-            from kernels.mha_decode import mha_decode
-
             pool = ctx.kv_pool
             return mha_decode(q, pool.buffer[layer.layer_id], ctx.req_to_token.table, fb.req_pool_indices,
                               fb.seq_lens, layer.v_dim, layer.scale, kv_scale=pool.scale)
-        from kernels.mla_extend import extend_attention
-
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_dim)
         table = ctx.req_to_token.table
         rows = fb.req_pool_indices.tolist() if self.groups else []

@@ -92,7 +92,7 @@ class FlashInferAttentionBackend:
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, sm_scale: float, q_dtype: torch.dtype,
                  kv_dtype: torch.dtype, kv_scale: float, device: torch.device, max_context: int,
                  max_graph_bs: int = 0):
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata  # lazy: flashinfer is CUDA-only
 
         self._wrapper_cls, self._metadata_cls = BatchMLAPagedAttentionWrapper, MLAPlanMetadata
         self.num_heads, self.kv_lora_rank, self.rope_dim = num_heads, kv_lora_rank, rope_dim

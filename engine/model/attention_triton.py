@@ -29,13 +29,14 @@ import torch
 from engine.forward_batch import ForwardBatch, to_device
 from engine.model.attention import MLA
 from engine.model.context import ForwardContext
+from kernels.fp8 import fp8_bmm
+from kernels.mla_decode import mla_decode
+from kernels.mla_extend import extend_attention
 
 
 def absorbed_query(layer: MLA, q_nope: torch.Tensor) -> torch.Tensor:
     """q_nope [B, H, nope] -> q in latent space [B, H, kv_lora] (W_UK folded in)."""
     if layer.w_kc_fp8 is not None:
-        from kernels.fp8 import fp8_bmm
-
         return fp8_bmm(q_nope.transpose(0, 1), layer.w_kc_fp8, layer.w_kc_scale).transpose(0, 1)
     return torch.bmm(q_nope.transpose(0, 1), layer.w_kc).transpose(0, 1)
 
@@ -43,8 +44,6 @@ def absorbed_query(layer: MLA, q_nope: torch.Tensor) -> torch.Tensor:
 def latent_to_values(layer: MLA, out_lat: torch.Tensor) -> torch.Tensor:
     """Latent attention output [B, H, kv_lora] -> per-head values [B, H, v] (W_UV)."""
     if layer.w_vc_fp8 is not None:
-        from kernels.fp8 import fp8_bmm
-
         return fp8_bmm(out_lat.transpose(0, 1), layer.w_vc_fp8, layer.w_vc_scale).transpose(0, 1)
     return torch.bmm(out_lat.transpose(0, 1), layer.w_vc.transpose(1, 2)).transpose(0, 1)
 
@@ -139,8 +138,6 @@ class TritonAttentionBackend:
         return out
 
     def _absorbed(self, layer: MLA, q_nope, q_pe, run: AbsorbedRun, ctx: ForwardContext) -> torch.Tensor:
-        from kernels.mla_decode import mla_decode
-
         pool = ctx.kv_pool
         out_lat = mla_decode(absorbed_query(layer, q_nope).contiguous(), q_pe.contiguous(),
                              pool.buffer[layer.layer_id], ctx.req_to_token.table, run.rows_req, run.rows_len,
@@ -149,8 +146,6 @@ class TritonAttentionBackend:
 
     def _expanded(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: ForwardContext,
                   run: ExpandedRun, out: torch.Tensor) -> None:
-        from kernels.mla_extend import extend_attention
-
         sl = slice(run.t0, run.t1)
         t, h = run.t1 - run.t0, layer.num_heads
         k_nope, v = layer.expand_latent(c_kv[sl])
@@ -172,8 +167,6 @@ class TritonAttentionBackend:
 
     @torch.compiler.disable
     def decode(self, layer: MLA, q_nope, q_pe, fb: ForwardBatch, ctx: ForwardContext):
-        from kernels.mla_decode import mla_decode
-
         q_lat = absorbed_query(layer, q_nope)
         pool = ctx.kv_pool
         out_lat = mla_decode(q_lat.contiguous(), q_pe.contiguous(), pool.buffer[layer.layer_id],

@@ -13,6 +13,9 @@
 4. MLA's absorbed w_kc / w_vc are derived from the rank's kv_b_proj heads, and each dense MLP's
    gate and up projections are stacked into one (`MLP.merge_gate_up`).
 
+Every module runs the `Kernels` given (engine/model/kernel_set.py: what the runner resolved with the
+kernel registry); without them, what 'auto' picks for `device` (engine/model/kernel_registry.py).
+
 The MTP/NextN layer is built when the config has one and the checkpoint ships it (dummy
 weights always have it), with its own KV-cache layer right after the decoder layers.
 """
@@ -24,11 +27,16 @@ from typing import Optional
 
 import torch
 
-from engine.config import ModelConfig
+from engine.checkpoint.config import ModelConfig
 from engine.distributed.groups import TPGroup
 from engine.model.deepseek import DeepseekForCausalLM, MTPLayer
+from engine.model.kernel_registry import KernelSetup, auto_kernels
+from engine.model.kernel_set import REFERENCE, Kernels
 from engine.model.layers import MLP, solo_group
+from engine.weights.dummy import fill_dummy
+from engine.weights.loader import has_mtp, iter_params, load_checkpoint, weight_map
 from kernels.fp8_math import WEIGHT_BLOCK
+from kernels.interpret import interpreting
 
 
 def has_mtp_layer(config: ModelConfig, checkpoint: Optional[Path]) -> bool:
@@ -37,28 +45,25 @@ def has_mtp_layer(config: ModelConfig, checkpoint: Optional[Path]) -> bool:
         return False
     if checkpoint is None:
         return True
-    from engine.weights.loader import has_mtp, weight_map
-
     return has_mtp(weight_map(checkpoint), config)
 
 
 def make_modules(config: ModelConfig, num_layers: int, dtype: torch.dtype, fp8_block=None,
-                 tp: Optional[TPGroup] = None, mtp: bool = True) -> dict[str, torch.nn.Module]:
+                 tp: Optional[TPGroup] = None, mtp: bool = True,
+                 kernels: Kernels = REFERENCE) -> dict[str, torch.nn.Module]:
     """{"": the model, "mtp.": its MTP layer (when `mtp`)} for one rank, weights unfilled (on the
     current default device: wrap in `with torch.device(...)`, "meta" for shapes only)."""
     cfg = config.with_num_layers(num_layers)
-    modules: dict[str, torch.nn.Module] = {"": DeepseekForCausalLM(cfg, dtype, fp8_block, tp)}
+    modules: dict[str, torch.nn.Module] = {"": DeepseekForCausalLM(cfg, dtype, fp8_block, tp, kernels)}
     if mtp:
         modules["mtp."] = MTPLayer(cfg, num_layers, dtype, fp8_block,
-                                   moe=config.is_moe_layer(config.num_hidden_layers), tp=tp)
+                                   moe=config.is_moe_layer(config.num_hidden_layers), tp=tp, kernels=kernels)
     return modules
 
 
 def full_shapes(config: ModelConfig, num_layers: int, dtype: torch.dtype, fp8_block=None,
                 mtp: bool = True) -> dict[str, tuple[int, ...]]:
     """Every parameter's unsplit (TP 1) shape, by name (built on the meta device: no memory)."""
-    from engine.weights.loader import iter_params
-
     with torch.device("meta"):
         modules = make_modules(config, num_layers, dtype, fp8_block, None, mtp)
     return {name: tuple(p.shape) for name, p in iter_params(modules)}
@@ -66,35 +71,37 @@ def full_shapes(config: ModelConfig, num_layers: int, dtype: torch.dtype, fp8_bl
 
 def build_model(config: ModelConfig, num_layers: int, dtype: torch.dtype, device: torch.device | str,
                 fp8_block: Optional[tuple[int, int]] = None, tp: Optional[TPGroup] = None, *,
-                checkpoint: Optional[Path] = None, seed: int = 0,
-                mtp: Optional[bool] = None) -> tuple[DeepseekForCausalLM, Optional[MTPLayer]]:
+                checkpoint: Optional[Path] = None, seed: int = 0, mtp: Optional[bool] = None,
+                kernels: Optional[Kernels] = None) -> tuple[DeepseekForCausalLM, Optional[MTPLayer]]:
     """This rank's (model, MTP layer or None), weights loaded, in eval mode.
 
     config: the checkpoint's whole config (num_layers <= its num_hidden_layers keeps the first ones);
     fp8_block: the block of weights kept FP8 (None: FP8 checkpoints are dequantised at load);
     tp: this rank's TP group (None: unsplit); checkpoint: the directory, or None for dummy weights
-    drawn from `seed`; mtp: build the MTP layer (None: when `has_mtp_layer`)."""
+    drawn from `seed`; mtp: build the MTP layer (None: when `has_mtp_layer`); kernels: what the
+    modules run (None: `default_kernels`)."""
     tp = tp or solo_group()
     want_mtp = has_mtp_layer(config, checkpoint) if mtp is None else mtp
+    kernels = kernels or default_kernels(config, dtype, torch.device(device), fp8_block)
     with torch.device(device):
-        modules = make_modules(config, num_layers, dtype, fp8_block, tp, want_mtp)
+        modules = make_modules(config, num_layers, dtype, fp8_block, tp, want_mtp, kernels)
     model, mtp_layer = modules[""], modules.get("mtp.")
-    from engine.weights.loader import iter_params
-
     if checkpoint is None:
-        from engine.weights.dummy import fill_dummy
-
         shapes = full_shapes(config, num_layers, dtype, fp8_block, want_mtp) if tp.size > 1 else None
         fill_dummy(iter_params(modules), seed, shapes, tp, fp8_block)
         if mtp_layer is not None:
             mtp_layer.embed_tokens, mtp_layer.head = model.embed_tokens, model.lm_head
     else:
-        from engine.weights.loader import load_checkpoint
-
         block = (config.fp8.block_n, config.fp8.block_k) if config.fp8 is not None else fp8_block or WEIGHT_BLOCK
         load_checkpoint(modules, Path(checkpoint), config, num_layers, block, tp)
     derive_weights(modules)
     return model, mtp_layer
+
+
+def default_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                    fp8_block: Optional[tuple[int, int]]) -> Kernels:
+    """What 'auto' picks for every per-call op of a model built on `device` outside a runner."""
+    return auto_kernels(KernelSetup(config, device, dtype, dtype, interpret=interpreting(), fp8_block=fp8_block))
 
 
 def derive_weights(modules: dict[str, torch.nn.Module]) -> None:

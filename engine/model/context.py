@@ -1,11 +1,16 @@
-"""ForwardContext: what every layer of one forward shares, passed down the forward as `ctx`.
+"""ForwardContext: what every layer of one forward shares, passed down the forward as `ctx`; and the
+two backend protocols it holds.
 
-The runner builds one per model (engine/runner.py) and hands it to
+The runner builds one per model (engine/runner/model_runner.py) and hands it to
 `DeepseekForCausalLM.hidden_states` / `MTPLayer`; each decoder layer passes it to its
 attention and to its MoE. It holds the KV cache, the request -> token table, the rope
-table and the two backends the start-up resolved (engine/model/backends.py): MLA
+table and the two backend objects the start-up resolved (engine/model/kernel_registry.py): MLA
 layers call `ctx.attn_backend`, MoE layers `ctx.moe_backend`; no layer keeps a backend
-of its own.
+of its own. The per-call kernels (block-FP8 GEMM, RMSNorm, MoE gate, all-reduce) are not here:
+each module is given them at construction (engine/model/kernel_set.py).
+
+The backend protocols live here, not next to MLA / MoE, so that the imports point one way:
+attention.py and moe.py import this module, never the reverse.
 
 The tensor-parallel group is not here: it is given to the model at construction
 (engine/model/deepseek.py), because it also decides which shard of each weight a module
@@ -17,15 +22,36 @@ None without DP attention) gathers the hidden states before each MLP and scatter
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
-if TYPE_CHECKING:
-    from engine.distributed.dp_attention import DPGather
-    from engine.forward_batch import ForwardBatch
-    from engine.memory.pools import KVPool, ReqToTokenPool
-    from engine.model.attention import AttentionBackend
-    from engine.model.moe import MoEBackend
-    from engine.model.rope import RotaryEmbedding
+import torch
+from torch import nn
+
+from engine.distributed.dp_attention import DPGather
+from engine.forward_batch import ForwardBatch
+from engine.memory.pools import KVPool, ReqToTokenPool
+from engine.model.rope import RotaryEmbedding
+
+
+class AttentionBackend(Protocol):
+    """MLA attention over the KV cache (layer: the `MLA` module asking)."""
+
+    def begin_forward(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: int | None = None) -> None:
+        """Host-side set-up once per forward, before any layer runs (graph_bs: the CUDA graph's padded size)."""
+
+    def extend(self, layer: nn.Module, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch,
+               ctx: ForwardContext) -> torch.Tensor:
+        """New tokens' attention output [T, H, v]."""
+
+    def decode(self, layer: nn.Module, q_nope, q_pe, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        """One token per request; output [B, H, v]."""
+
+
+class MoEBackend(Protocol):
+    """The routed experts of a MoE layer (moe: the `MoE` module asking, holding the expert weights)."""
+
+    def experts(self, moe: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Sum over the chosen experts of weight * expert(x): [T, hidden]."""
 
 
 @dataclass

@@ -10,6 +10,9 @@ o_proj, one after each dense MLP or MoE layer, one for the vocab-parallel embedd
 all-gather of the vocab-parallel logits, so every rank gets the full logits. A TP size that
 does not split the model cleanly is refused here (check_model_divisible), before any weight
 is allocated or read. engine/model/builder.py builds and fills a rank's model in one call.
+
+Kernels: the constructors take the `Kernels` the start-up resolved (engine/model/kernel_set.py;
+default: the torch reference of each op) and give it to every module they build.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.checkpoint.config import ModelConfig
+from engine.distributed.divisibility import check_model_divisible
 from engine.distributed.groups import TPGroup
 from engine.forward_batch import ForwardBatch
 from engine.model.attention import MLA
 from engine.model.context import ForwardContext
+from engine.model.kernel_set import REFERENCE, Kernels
 from engine.model.layers import (
     MLP,
     Linear,
@@ -41,22 +46,20 @@ def check_tp(cfg: ModelConfig, tp: TPGroup, fp8_block=None) -> None:
     """UsageError (which TP sizes work, and why this one does not) unless tp splits cfg's layers cleanly.
     fp8_block: the block of weights kept FP8 (None when they are dequantised or not FP8)."""
     if tp.size > 1:
-        from engine.distributed.parallel_config import check_model_divisible
-
         check_model_divisible(cfg, tp.size, fp8_block, ep_size=tp.ep_size, attn_tp_size=tp.attention.size)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, cache_layer: int, dtype: torch.dtype, fp8_block=None, moe: bool = False,
-                 tp: Optional[TPGroup] = None):
+                 tp: Optional[TPGroup] = None, kernels: Kernels = REFERENCE):
         super().__init__()
         tp = tp or solo_group()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = MLA(cfg, cache_layer, dtype, fp8_block, tp.attention)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
+        self.self_attn = MLA(cfg, cache_layer, dtype, fp8_block, tp.attention, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.is_moe = moe
-        self.mlp = (MoE(cfg, dtype, fp8_block, tp) if moe
-                    else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block, tp))
+        self.mlp = (MoE(cfg, dtype, fp8_block, tp, kernels) if moe
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block, tp, kernels=kernels))
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         if x.shape[0]:  # an idle DP-attention forward has no tokens: its attention group skips attention
@@ -71,24 +74,26 @@ class DecoderLayer(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     """embed -> decoder layers -> norm -> lm_head. KV cache layer i belongs to decoder layer i."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block=None, tp: Optional[TPGroup] = None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block=None, tp: Optional[TPGroup] = None,
+                 kernels: Kernels = REFERENCE):
         super().__init__()
         self.cfg = cfg
+        self.kernels = kernels
         tp = tp or solo_group()
         check_tp(cfg, tp, fp8_block)
         self.tp = tp.attention  # embedding and lm_head: vocab-parallel over the attention group
         vocab = tp_local(cfg.vocab_size, self.tp, "vocab_size")  # this rank's vocab rows
         self.embed_tokens = nn.Parameter(torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, fp8_block, moe=cfg.is_moe_layer(i), tp=tp)
+            DecoderLayer(cfg, i, dtype, fp8_block, moe=cfg.is_moe_layer(i), tp=tp, kernels=kernels)
             for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.lm_head = nn.Parameter(torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
 
     def hidden_states(self, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """Final pre-norm hidden states [T, hidden] of every token in the batch."""
-        x = vocab_parallel_embedding(fb.input_ids, self.embed_tokens, self.tp)
+        x = vocab_parallel_embedding(fb.input_ids, self.embed_tokens, self.tp, self.kernels.all_reduce)
         for layer in self.layers:
             x = layer(x, fb, ctx)
         return x
@@ -107,25 +112,26 @@ class MTPLayer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, cache_layer: int, dtype: torch.dtype, fp8_block=None,
-                 moe: bool = True, tp: Optional[TPGroup] = None):
+                 moe: bool = True, tp: Optional[TPGroup] = None, kernels: Kernels = REFERENCE):
         super().__init__()
         h = cfg.hidden_size
+        self.kernels = kernels
         tp = tp or solo_group()
         self.tp = tp.attention
         # its one decoder layer, checked on its own (cfg may be truncated to dense layers only)
         check_tp(replace(cfg, num_hidden_layers=1, first_k_dense_replace=0 if moe else 1, moe_layer_freq=1),
                  tp, fp8_block)
-        self.enorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.eh_proj = Linear(2 * h, h, dtype)  # replicated
-        self.layer = DecoderLayer(cfg, cache_layer, dtype, fp8_block, moe=moe, tp=tp)
-        self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps, dtype, kernels)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dtype, kernels)
+        self.eh_proj = Linear(2 * h, h, dtype, kernels=kernels)  # replicated
+        self.layer = DecoderLayer(cfg, cache_layer, dtype, fp8_block, moe=moe, tp=tp, kernels=kernels)
+        self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, kernels)
         self.embed_tokens = None  # set to the main model's unless the checkpoint has its own
         self.head = None
 
     def forward(self, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] for fb.input_ids (the next tokens) and fb.spec_hidden."""
-        e = self.enorm(vocab_parallel_embedding(fb.input_ids, self.embed_tokens, self.tp))
+        e = self.enorm(vocab_parallel_embedding(fb.input_ids, self.embed_tokens, self.tp, self.kernels.all_reduce))
         x = self.eh_proj(torch.cat((e, self.hnorm(fb.spec_hidden)), dim=-1))
         return self.layer(x, fb, ctx)
 

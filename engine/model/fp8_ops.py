@@ -1,7 +1,12 @@
-"""Block-FP8 linear (W8A8: 1x128 activation groups, 128x128 weight blocks).
+"""Block-FP8 linear (W8A8: 1x128 activation groups, 128x128 weight blocks): the implementations the
+kernel registry (engine/model/kernel_registry.py, op "gemm") chooses from.
 
-The Triton GEMM of kernels/fp8.py on CUDA, or on CPU tensors under Triton's interpreter
-(kernels/interpret.py); otherwise the exact dequantised product (kernels/fp8_math.py).
+- `cublas_linear`: the Triton GEMM of kernels/fp8.py, taking cuBLASLt's block-scaled FP8 GEMM where the
+  tuned config says CUBLAS (and the shape allows it);
+- `triton_linear`: the Triton GEMM only (the tuned configs' CUBLAS key is ignored);
+- `torch_linear`: the exact dequantised product (kernels/fp8_math.py).
+
+All are opaque to torch.compile (`torch.compiler.disable`), as the one `linear` they replace was.
 """
 
 from __future__ import annotations
@@ -9,14 +14,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8 import block_fp8_matmul
 from kernels.fp8_math import dequant_block_fp8
-from kernels.interpret import interpreting
 
 
 @torch.compiler.disable
-def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    if x.is_cuda or interpreting():
-        from kernels.fp8 import block_fp8_matmul
+def cublas_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                  block: tuple[int, int]) -> torch.Tensor:
+    return block_fp8_matmul(x, weight, scale_inv, block)
 
-        return block_fp8_matmul(x, weight, scale_inv, block)
+
+@torch.compiler.disable
+def triton_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                  block: tuple[int, int]) -> torch.Tensor:
+    return block_fp8_matmul(x, weight, scale_inv, block, cublas=False)
+
+
+@torch.compiler.disable
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                 block: tuple[int, int]) -> torch.Tensor:
     return F.linear(x, dequant_block_fp8(weight, scale_inv, block, x.dtype))

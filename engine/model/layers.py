@@ -2,9 +2,10 @@
 tensor-parallel pieces (the TP group of an unsplit model, per-rank sizes, vocab-parallel
 embedding and logits).
 
-Block-FP8 shapes and dequantisation come from kernels/fp8_math.py; the FP8 product
-itself is engine/model/fp8_ops.py. Collectives are engine/distributed/comm.py's: at TP
-size 1 they return their input untouched, so the unsplit model runs exactly as before.
+Block-FP8 shapes and dequantisation come from kernels/fp8_math.py. The kernels each module runs
+(the block-FP8 GEMM, RMSNorm, the all-reduce) are the `Kernels` it is given at construction
+(engine/model/kernel_set.py; default: the torch reference of each). Collectives at TP size 1
+return their input untouched, so the unsplit model runs exactly as before.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from engine.distributed import comm
 from engine.distributed.groups import TPGroup
+from engine.model.kernel_set import REFERENCE, AllReduce, Kernels
 from kernels.fp8_math import FP8_DTYPE, block_scale_shape, dequant_block_fp8
 
 
@@ -33,7 +35,8 @@ def tp_local(full: int, tp: TPGroup, what: str) -> int:
     return full // tp.size
 
 
-def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, tp: TPGroup,
+                             all_reduce: AllReduce = comm.all_reduce) -> torch.Tensor:
     """Embedding lookup with `weight` holding this rank's vocab rows [rank * V/tp, (rank + 1) * V/tp):
     ids outside them give zero rows, and the all-reduce adds the one rank's row that is not zero."""
     if tp.size == 1:
@@ -43,7 +46,7 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, tp: TPGrou
     outside = (local < 0) | (local >= rows)
     out = F.embedding(local.masked_fill(outside, 0), weight)
     out.masked_fill_(outside.unsqueeze(-1), 0)
-    return comm.all_reduce(out, tp)
+    return all_reduce(out, tp)
 
 
 def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -52,40 +55,30 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPGrou
     return comm.all_gather_last_dim(F.linear(hidden, weight), tp).float()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, cast back to the input dtype before the weight (as HF does).
-
-    On CUDA one Triton kernel (kernels/rms_norm.py) instead of ~7 torch kernels; under
-    torch.compile (inductor fuses the torch form itself) and on CPU, the torch reference.
-    """
-    if x.is_cuda and not torch.compiler.is_compiling():
-        from kernels import rms_norm as k  # lazy: imports triton
-
-        if k.supported(x, weight):
-            return k.rms_norm_triton(x, weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+    """RMSNorm computed in float32, cast back to the input dtype before the weight (as HF does), by
+    `kernels.rms_norm`."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, kernels: Kernels = REFERENCE):
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):
-    """y = x @ W.T with W either in the model dtype or block-FP8 (+ float32 weight_scale_inv)."""
+    """y = x @ W.T with W either in the model dtype or block-FP8 (+ float32 weight_scale_inv; the product
+    is then `kernels.gemm`)."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 fp8_block: tuple[int, int] | None = None):
+                 fp8_block: tuple[int, int] | None = None, kernels: Kernels = REFERENCE):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.fp8_block = fp8_block
+        self.kernels = kernels
         if fp8_block is None:
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
             self.weight_scale_inv = None
@@ -103,9 +96,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_block is None:
             return F.linear(x, self.weight)
-        from engine.model import fp8_ops
-
-        return fp8_ops.linear(x, self.weight, self.weight_scale_inv, self.fp8_block)
+        return self.kernels.gemm(x, self.weight, self.weight_scale_inv, self.fp8_block)
 
 
 class MLP(nn.Module):
@@ -121,13 +112,14 @@ class MLP(nn.Module):
     tuned configs are made for (tuning/shapes.py: "mlp.gate_up_proj")."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, fp8_block=None,
-                 tp: Optional[TPGroup] = None, reduce: bool = True):
+                 tp: Optional[TPGroup] = None, reduce: bool = True, kernels: Kernels = REFERENCE):
         super().__init__()
         self.tp, self.reduce = tp or solo_group(), reduce
+        self.kernels = kernels
         self.local = local = tp_local(inter, self.tp, "MLP intermediate size")
-        self.gate_proj = Linear(hidden, local, dtype, fp8_block)
-        self.up_proj = Linear(hidden, local, dtype, fp8_block)
-        self.down_proj = Linear(local, hidden, dtype, fp8_block)
+        self.gate_proj = Linear(hidden, local, dtype, fp8_block, kernels)
+        self.up_proj = Linear(hidden, local, dtype, fp8_block, kernels)
+        self.down_proj = Linear(local, hidden, dtype, fp8_block, kernels)
         self.gate_up_proj: Optional[Linear] = None
 
     def merge_gate_up(self) -> None:
@@ -138,7 +130,7 @@ class MLP(nn.Module):
         if block is not None and self.local % block[0]:
             return  # a scale block would straddle the two halves: keep them apart
         with torch.device("meta"):  # shapes only: the parameters are replaced just below
-            merged = Linear(gate.in_features, 2 * self.local, gate.weight.dtype, block)
+            merged = Linear(gate.in_features, 2 * self.local, gate.weight.dtype, block, self.kernels)
         merged.weight = nn.Parameter(torch.cat([gate.weight, up.weight]), requires_grad=False)
         if block is not None:
             merged.weight_scale_inv = nn.Parameter(torch.cat([gate.weight_scale_inv, up.weight_scale_inv]),
@@ -152,4 +144,4 @@ class MLP(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         out = self.down_proj(F.silu(gate) * up)
-        return comm.all_reduce(out, self.tp) if self.reduce else out
+        return self.kernels.all_reduce(out, self.tp) if self.reduce else out

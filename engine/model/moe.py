@@ -4,7 +4,9 @@ Routed expert weights are stacked for grouped kernels: w13 [E, 2N, K] (gate rows
 then up rows) and w2 [E, K, N]; FP8 checkpoints add block scales. The experts
 computation goes through the MoE backend of the `ForwardContext` passed to
 `MoE.forward` (`TorchMoEBackend`, the reference, or `TritonMoEBackend`, the fused
-kernel; chosen by name in engine/model/backends.py).
+kernel; chosen by name in engine/model/kernel_registry.py; the protocol is in
+engine/model/context.py). The router's top-k (`kernels.moe_gate`) and the all-reduce are the
+`Kernels` the layer is given at construction (engine/model/kernel_set.py).
 
 Tensor parallelism splits every routed expert along its intermediate size (w13: this
 rank's N / tp gate rows then its N / tp up rows; w2: the matching columns) and the shared
@@ -24,32 +26,27 @@ over ranks of its local experts' weighted outputs, which the same one all-reduce
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.distributed import comm
+from engine.checkpoint.config import ModelConfig
 from engine.distributed.groups import TPGroup
 from engine.model.context import ForwardContext
+from engine.model.gate_ops import torch_gate
+from engine.model.kernel_set import REFERENCE, Gate, Kernels
 from engine.model.layers import MLP, solo_group, tp_local
 from kernels.fp8_math import FP8_DTYPE, WEIGHT_BLOCK, block_scale_shape
+from kernels.fused_moe import fused_moe, fused_moe_ref
 
 
-@torch.compiler.disable
-def select_experts(logits: torch.Tensor, cfg: ModelConfig,
-                   bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] (float32) -> (weights [T, k] float32, ids [T, k] int32).
-
-    The fused Triton gate on CUDA, its pure-torch reference elsewhere (kernels/moe_gate.py)."""
-    from kernels import moe_gate
-
-    gate = moe_gate.moe_gate if logits.is_cuda else moe_gate.moe_gate_ref
-    return gate(logits, top_k=cfg.num_experts_per_tok, method=cfg.topk_method, n_group=cfg.n_group,
-                topk_group=cfg.topk_group, correction_bias=bias, norm_topk_prob=cfg.norm_topk_prob,
-                routed_scaling_factor=cfg.routed_scaling_factor, scoring_func=cfg.scoring_func)
+def select_experts(logits: torch.Tensor, cfg: ModelConfig, bias: Optional[torch.Tensor],
+                   gate: Gate = torch_gate) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (float32) -> (weights [T, k] float32, ids [T, k] int32), by `gate`
+    (engine/model/gate_ops.py; a MoE layer passes its `kernels.moe_gate`)."""
+    return gate(logits, cfg, bias)
 
 
 def local_expert_ids(ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
@@ -58,15 +55,12 @@ def local_expert_ids(ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
     return torch.where((local >= 0) & (local < count), local, torch.full_like(local, -1))
 
 
-class MoEBackend(Protocol):
-    def experts(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Sum over the chosen experts of weight * expert(x): [T, hidden]."""
-
-
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block=None, tp: Optional[TPGroup] = None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block=None, tp: Optional[TPGroup] = None,
+                 kernels: Kernels = REFERENCE):
         super().__init__()
         self.cfg = cfg
+        self.kernels = kernels
         self.tp = tp = tp or solo_group()
         e, k = cfg.n_routed_experts, cfg.hidden_size
         if tp.ep_size > 1:  # whole experts per rank
@@ -92,27 +86,26 @@ class MoE(nn.Module):
         else:
             self.w13_scale = self.w2_scale = None
         self.shared_experts = (
-            MLP(k, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block, self.tp, reduce=False)
+            MLP(k, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block, self.tp, reduce=False,
+                kernels=kernels)
             if cfg.n_shared_experts else None
         )
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate_weight.float())
-        weights, ids = select_experts(logits, self.cfg, self.e_score_correction_bias)
+        weights, ids = select_experts(logits, self.cfg, self.e_score_correction_bias, self.kernels.moe_gate)
         if self.tp.ep_size > 1:
             ids = local_expert_ids(ids, self.first_expert, self.num_local_experts)
         out = ctx.moe_backend.experts(self, x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return comm.all_reduce(out, self.tp)
+        return self.kernels.all_reduce(out, self.tp)
 
 
 class TorchMoEBackend:
     """Reference: kernels.fused_moe_ref (a loop over the experts that received tokens)."""
 
     def experts(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        from kernels.fused_moe import fused_moe_ref
-
         return fused_moe_ref(x, moe.w13, moe.w2, ids, weights, w13_scale=moe.w13_scale, w2_scale=moe.w2_scale,
                              block_shape=moe.fp8_block or WEIGHT_BLOCK)
 
@@ -122,7 +115,5 @@ class TritonMoEBackend:
 
     @torch.compiler.disable
     def experts(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        from kernels.fused_moe import fused_moe
-
         return fused_moe(x, moe.w13, moe.w2, ids, weights, w13_scale=moe.w13_scale, w2_scale=moe.w2_scale,
                          block_shape=moe.fp8_block or WEIGHT_BLOCK)

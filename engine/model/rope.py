@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from engine.config import RopeConfig, yarn_mscale
+from engine.checkpoint.config import RopeConfig, yarn_mscale
 
 
 def _yarn_correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -> float:

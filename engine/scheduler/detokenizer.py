@@ -26,7 +26,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer  # anything with decode(ids, skip_special_tokens) -> str, or None
         self.skip_special = skip_special_tokens
-        # engine.tokenizer.Tokenizer hands out its fastest decode for this setting (one call per token)
+        # engine.checkpoint.tokenizer.Tokenizer hands out its fastest decode for this setting (one call per token)
         fn = getattr(tokenizer, "decode_fn", None)
         self._decode_ids = fn(skip_special_tokens) if fn is not None else None
         self.window: list[int] = []  # emitted context, then the tokens whose text is not emitted yet

@@ -68,10 +68,10 @@ import torch
 
 from engine.args import SchedulerArgs
 from engine.forward_batch import ForwardBatch, ForwardMode, to_device
-from engine.runner import ModelRunner
+from engine.memory.request_memory import RequestMemory
+from engine.runner.model_runner import ModelRunner
 from engine.sampling import PendingSample, sample_async
 from engine.scheduler.admission import Reservation
-from engine.scheduler.memory import RequestMemory
 from engine.scheduler.output import RequestOutput
 from engine.scheduler.policy import POLICIES, order_waiting
 from engine.scheduler.processor import OutputProcessor

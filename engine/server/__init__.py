@@ -1,13 +1,13 @@
-"""OpenAI-compatible HTTP serving: a starlette app in the serving process, the model in an engine process.
+"""OpenAI-compatible HTTP serving: a starlette app in the serving process, the model in the engine ranks.
 
-    serving process                               engine process (spawned)
-    ---------------                               ------------------------
-    uvicorn + starlette routes (app.py;           EngineLoop (engine_process.py)
+    serving process                               engine rank processes (engine/runtime/)
+    ---------------                               ---------------------------------------
+    uvicorn + starlette routes (app.py;           EngineLoop (rank_loop.py)
       endpoint.py: the skeleton the completion      Engine -> Scheduler -> ModelRunner
       and chat routes share)                      drains AddRequest / AbortRequest,
     pydantic request checks (schemas.py)          steps the scheduler while it has work,
     tokenizer / chat template (inputs.py)         sends the output processor's
-    EngineClient (engine_client.py)  <--pipes-->  RequestOutput deltas + EngineStats
+    runtime's EngineClient (client.py) <-pipes->  RequestOutput deltas + EngineStats
     Sequence: deltas -> text (generation.py),
     reasoning split, metrics (metrics.py)
 

@@ -21,9 +21,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.args import EngineArgs
+from engine.runtime.client import EngineClient
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
-from engine.server.engine_client import EngineClient
 from engine.server.errors import APIError, server_error
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.state import ServerState

@@ -18,12 +18,12 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
+from engine.runtime.client import EngineClient, EngineDead, EngineUnavailable, QueueFull
+from engine.runtime.protocol import AddFailed, RequestOutput
 from engine.sampling import SamplingParams
 from engine.scheduler.detokenizer import IncrementalDetokenizer
 from engine.scheduler.output import CollectedOutput
-from engine.server.engine_client import EngineClient, EngineDead, EngineUnavailable, QueueFull
 from engine.server.errors import bad_request, server_error, unavailable
-from engine.server.protocol import AddFailed, RequestOutput
 
 
 @dataclass

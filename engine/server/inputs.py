@@ -12,10 +12,10 @@ import dataclasses
 from typing import Optional, Sequence
 
 from engine.errors import RequestError
+from engine.runtime.protocol import EngineInfo
 from engine.sampling import SamplingParams
 from engine.scheduler import prompt_check
 from engine.server.errors import bad_request
-from engine.server.protocol import EngineInfo
 from engine.server.schemas import MAX_STOP, ChatRequest, CompletionRequest, SamplingFields
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from engine.scheduler.step_times import BUCKETS
 from engine.speculative.stats import mean_accepted
 
 disable_created_metrics()  # no *_created series: they double the output and nobody here reads them
@@ -76,8 +77,6 @@ def _step_metrics(s):
     """The scheduler's step times per kind (engine/scheduler/step_times.py)."""
     if not s.step_seconds:
         return
-    from engine.scheduler.step_times import BUCKETS
-
     hist = HistogramMetricFamily("dsctl_step_seconds", "Time of one scheduler step, by kind (decode, extend, "
                                  "mixed, spec), from its launch or the previous step's end to its results.",
                                  labels=["kind"])

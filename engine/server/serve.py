@@ -8,8 +8,7 @@ finish_reason "abort" and [DONE]), stops the engine ranks and returns
 normally, so the process exits 0.
 
 On a node other than 0 (--nnodes N --node-rank R > 0) there is no HTTP side: this node's
-engine ranks join node 0's world and run until node 0 stops them (or one fails, which
-ends the process non-zero with the rank's error).
+engine ranks run alone (engine/runtime/node_ranks.py).
 """
 
 from __future__ import annotations
@@ -18,8 +17,16 @@ import logging
 import signal
 import socket
 
+import uvicorn
+
 from engine.args import EngineArgs
+from engine.checkpoint.tokenizer import load_tokenizer
 from engine.errors import DsctlError, UsageError
+from engine.runtime.launch_checks import check_launch, launch_args
+from engine.runtime.node_ranks import serve_ranks_only
+from engine.server.app import build_app
+
+log = logging.getLogger("dsctl.server")
 
 
 class EngineStartError(DsctlError):
@@ -30,17 +37,11 @@ class EngineDied(DsctlError):
     """An engine rank died while serving; the server exits non-zero (its requests got errors)."""
 
 
-class EngineRanksFailed(DsctlError):
-    """An engine rank of this node failed."""
-
-
 ABORT_GRACE_S = 5.0  # after aborting, how long uvicorn waits for the aborted responses before cancelling them
 
 
 def _uvicorn_server(config, on_first_exit):
     """A uvicorn.Server that calls on_first_exit() (from the signal handler) when the first SIGTERM/SIGINT arrives."""
-    import uvicorn
-
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             first = not self.should_exit
@@ -53,8 +54,6 @@ def _uvicorn_server(config, on_first_exit):
 
 def _abort_later(state, delay: float) -> None:
     """Thread-safe: after delay seconds, abort whatever the engine is still generating."""
-    log = logging.getLogger("dsctl.server")
-
     def abort() -> None:
         n = state.client.abort_all()
         if n:
@@ -78,12 +77,6 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve(args: EngineArgs) -> None:
-    import uvicorn
-
-    from engine.ranked import check_launch, launch_args
-    from engine.server.app import build_app
-    from engine.tokenizer import load_tokenizer
-
     args.validate()
     http = args.server
     level = http.log_level.upper()
@@ -113,30 +106,3 @@ def serve(args: EngineArgs) -> None:
         reason = state.client.dead_reason or "the engine process failed"
         raise (EngineStartError if state.client.info is None else EngineDied)(reason)
 
-
-def serve_ranks_only(args: EngineArgs) -> None:
-    """Node R > 0 of a multi-node job: run this node's ranks until they exit; SIGTERM stops them."""
-    from engine.distributed.launch import start_ranks
-    from engine.server.engine_process import engine_main
-
-    log = logging.getLogger("dsctl.server")
-    pc = args.parallel.config()
-    ranks = start_ranks(engine_main, pc.ranks_per_node, (args, None, None), first_rank=pc.global_rank(0))
-    log.info("node %d: engine ranks %d..%d started (pids %s), joining %s", pc.node_rank, pc.global_rank(0),
-             pc.global_rank(pc.ranks_per_node - 1), ranks.pids, pc.dist_init_addr)
-    stopping: list[int] = []
-
-    def on_sigterm(*_) -> None:
-        stopping.append(1)
-        ranks.stop(grace=2.0)
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        failure = ranks.wait()
-    except KeyboardInterrupt:
-        ranks.stop()
-        return
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    if failure is not None and not stopping:
-        raise EngineRanksFailed(f"engine {failure.message()}")

@@ -8,17 +8,17 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.args import ServerArgs
-from engine.server.engine_client import EngineClient
+from engine.runtime.client import EngineClient
+from engine.runtime.protocol import EngineInfo
 from engine.server.errors import APIError, unavailable
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import EngineInfo
 
 
 @dataclass
 class ServerState:
     args: ServerArgs
     client: EngineClient
-    tokenizer: object  # engine.tokenizer.Tokenizer or None
+    tokenizer: object  # engine.checkpoint.tokenizer.Tokenizer or None
     metrics: ServerMetrics
     model_name: str  # what /v1/models reports and requests must name (--served-model-name, else --model)
     model_root: str  # --model as given (the card's "root")

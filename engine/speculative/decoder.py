@@ -29,7 +29,7 @@ One step, for the running requests with kv_len = m (the last accepted token, the
 The step synchronises twice (the tree's depths before verify, the acceptance after it), so with the
 overlap scheduler on it first processes the step in flight. Its forwards (steps 1-3) are decode-mode
 batches: with CUDA graphs on, the model's and the MTP layer's graphs (torch.compile'd where enabled) run
-them, the tree rows' KV lists sitting in the request table's scratch rows (ModelRunner.forward_tree).
+them, the tree rows' KV lists sitting in the request table's scratch rows (tree_forward.py).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from engine.speculative.commit import commit_and_emit
 from engine.speculative.draft import decode_draft, draft_tree, extend_draft
 from engine.speculative.stats import SpecStats
 from engine.speculative.step_batch import StepBatch, StepIndex, catch_up_pending
+from engine.speculative.tree_forward import forward_tree
 from engine.speculative.tree_table import ancestors, build_tree_table, tree_batch
 
 CATCH_UP_EVERY = 16  # plain decode steps a request runs before its draft KV is caught up
@@ -60,13 +61,14 @@ class SpecState:
 
 class SpecDecoder:
     def __init__(self, runner, args: SpeculativeArgs):
-        self.runner = runner
+        """runner: the ModelRunner, built with a draft (engine/speculative/draft_runner.py)."""
+        self.runner, self.draft = runner, runner.draft
         self.steps, self.topk = args.speculative_num_steps, args.speculative_eagle_topk
         self.nodes = args.speculative_num_draft_tokens
         if self.topk > runner.config.vocab_size:
             raise UsageError(f"--speculative-eagle-topk {self.topk} exceeds the vocabulary "
                              f"({runner.config.vocab_size})")
-        if runner.mtp is None:
+        if self.draft is None:
             raise UsageError("speculative decoding needs an MTP/NextN draft layer")
         self.slots_per_req = self.nodes + (self.steps - 1) * self.topk  # verify nodes + draft scratch
         self.stats = SpecStats(self.steps + 1)
@@ -91,7 +93,7 @@ class SpecDecoder:
             rest = h[k:].clone() if c.final else None
             req.spec = SpecState(c.start + k, [(rest, j) for j in range(n - k)])
         if rows:
-            extend_draft(self.runner, rows, starts, toks, torch.cat(hid))
+            extend_draft(self.draft, rows, starts, toks, torch.cat(hid))
 
     # ---- decode ----------------------------------------------------------------------
     def speculates(self, batch_size: int) -> bool:
@@ -120,7 +122,7 @@ class SpecDecoder:
         for r in [r for r in reqs if len(r.spec.parts) > 1] + [None]:
             n = 0 if r is None else len(r.spec.parts) - 1
             if group and (r is None or rows + n > max_rows):
-                decode_draft(self.runner, catch_up_pending(group, self.runner.device), every_row_logits=False)
+                decode_draft(self.draft, catch_up_pending(group, self.runner.device), every_row_logits=False)
                 for g in group:
                     g.spec.mtp_len, g.spec.parts = g.kv_len - 1, g.spec.parts[-1:]
                 group, rows = [], 0
@@ -143,7 +145,7 @@ class SpecDecoder:
             batch = StepBatch.build(reqs, draft_slots, verify_slots, self._index(b), self.steps, self.topk,
                                     runner.device)
             first = self._draft_extend(reqs, batch)
-            tree = runner.share_sampled(draft_tree(runner, *first, batch, self.steps, self.topk, self.nodes))
+            tree = runner.share_sampled(draft_tree(self.draft, *first, batch, self.steps, self.topk, self.nodes))
             out, anc, host_depths = self._verify(batch, tree)
             accepted = self._accept(reqs, batch, tree, anc, host_depths, out.logits)
         except BaseException:
@@ -161,7 +163,7 @@ class SpecDecoder:
 
     def _draft_extend(self, reqs, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft KV for each request's pending positions; (logits, hidden) of its last one."""
-        out = decode_draft(self.runner, batch.pending)
+        out = decode_draft(self.draft, batch.pending)
         for r in reqs:
             r.spec.mtp_len, r.spec.parts = r.kv_len, []
         last = batch.pending.last
@@ -181,7 +183,7 @@ class SpecDecoder:
         host_seq = [m + d + 1 for m, ds in zip(batch.kv, host_depths) for d in ds]
         fb = tree_batch(tokens.reshape(-1), batch.node_kv + depths.view(-1), batch.verify_slots.view(-1),
                         host_seq, index.nodes, runner.max_model_len, max(batch.kv) + self.steps)
-        return runner.forward_tree(fb, table), anc, host_depths
+        return forward_tree(runner, fb, table), anc, host_depths
 
     def _accept(self, reqs, batch: StepBatch, tree: torch.Tensor, anc: torch.Tensor, host_depths: list[list[int]],
                 logits: torch.Tensor) -> torch.Tensor:

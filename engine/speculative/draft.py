@@ -1,4 +1,4 @@
-"""The draft: the MTP layer's forwards and the EAGLE-2 token tree they produce.
+"""The draft's batches (run by draft_runner.py) and the EAGLE-2 token tree they produce.
 
 `extend_draft` runs the MTP layer over the positions of each request whose draft KV is missing (the
 target's hidden state at position i and the token at i + 1 in, the draft KV of position i out, at the
@@ -21,39 +21,42 @@ from dataclasses import dataclass
 import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.runner import ForwardOutput
+from engine.runner.model_runner import ForwardOutput
+from engine.speculative.draft_runner import DraftRunner
 from engine.speculative.step_batch import Pending, StepBatch
+from engine.speculative.tree_forward import forward_tree
 from engine.speculative.tree_table import build_tree_table, tree_batch
 
 
-def extend_draft(runner, rows: list[int], starts: list[int], tokens: list[list[int]],
+def extend_draft(draft: DraftRunner, rows: list[int], starts: list[int], tokens: list[list[int]],
                  hidden: torch.Tensor) -> ForwardOutput:
     """MTP layer over positions [start, start + len(tokens)) of each request (logits: last row of each)."""
+    runner = draft.runner
     lens = [len(t) for t in tokens]
     ids = [x for t in tokens for x in t]
     slots = torch.cat([runner.req_to_token.slots(r, s + n, s) for r, s, n in zip(rows, starts, lens)])
     last = torch.tensor(lens).cumsum(0) - 1
     fb = ForwardBatch.build(ForwardMode.DRAFT_EXTEND, ids, rows, starts, lens, slots, last.tolist(), runner.device)
     fb.spec_hidden = hidden
-    return runner.forward_mtp(fb)
+    return draft.forward(fb)
 
 
-def decode_draft(runner, pending: Pending, every_row_logits: bool = True) -> ForwardOutput:
+def decode_draft(draft: DraftRunner, pending: Pending, every_row_logits: bool = True) -> ForwardOutput:
     """`extend_draft` as a decode-mode batch, for a decode step's few pending positions: one row per
     position (its request's table row, sequence length position + 1; the MTP layer writes every row's KV
     before attending), so the MTP layer's CUDA graphs run it. Logits for every row, or (every_row_logits
     False: a catch-up wants only the KV) for each request's last row where it runs eagerly; a CUDA graph
     computes its rows' logits either way."""
-    p = pending
+    p, runner = pending, draft.runner
     slots = runner.req_to_token.table[p.rows, p.positions].to(torch.int64)
     fb = tree_batch(p.ids, p.positions, slots, p.host_seq_lens, p.index, runner.max_model_len,
                     max(p.host_seq_lens, default=1) - 1, req_rows=p.rows, spec_hidden=p.hidden)
     if not every_row_logits:
         fb.logits_indices = p.last
-    return runner.forward_mtp(fb)
+    return draft.forward(fb)
 
 
-def draft_tree(runner, first_logits: torch.Tensor, first_hidden: torch.Tensor, batch: StepBatch, steps: int,
+def draft_tree(draft: DraftRunner, first_logits: torch.Tensor, first_hidden: torch.Tensor, batch: StepBatch, steps: int,
                topk: int, num_nodes: int) -> torch.Tensor:
     """The EAGLE-2 tree (module docstring), packed [3, B, N] (tokens, parents, depths) on the device, where TP
     ranks can share rank 0's. first_*: the MTP output at each request's last position; batch: the step's
@@ -66,7 +69,7 @@ def draft_tree(runner, first_logits: torch.Tensor, first_hidden: torch.Tensor, b
                   torch.empty(b, k, 0, dtype=torch.int64, device=tok.device))
     offset = 1 + k
     for d in range(2, steps + 1):
-        out, anc = _draft_step(runner, batch, f, d)
+        out, anc = _draft_step(draft, batch, f, d)
         s, t = torch.log_softmax(out.logits.float(), -1).view(b, k, -1).topk(k, dim=-1)  # [B, K, K]
         ch_score = (f.score[..., None] + s).view(b, k * k)
         ch_tok = t.view(b, k * k)
@@ -93,10 +96,11 @@ class _Frontier:
     anc: torch.Tensor
 
 
-def _draft_step(runner, batch: StepBatch, f: _Frontier, d: int) -> tuple[ForwardOutput, torch.Tensor]:
+def _draft_step(draft: DraftRunner, batch: StepBatch, f: _Frontier, d: int) -> tuple[ForwardOutput, torch.Tensor]:
     """Draft step d: the MTP layer over the frontier nodes (depth d - 1, at MTP position kv_len + d - 2: tree
     attention over the request's draft KV, its ancestors' scratch slots and its own); (output, those slots)."""
     b, k = f.tok.shape
+    runner = draft.runner
     own = batch.draft_slots[:, d - 2, :]
     anc = torch.cat((f.anc, own[..., None]), dim=-1)  # [B, K, d - 1]: ancestors' draft slots, then its own
     max_kv = max(batch.kv)
@@ -105,7 +109,7 @@ def _draft_step(runner, batch: StepBatch, f: _Frontier, d: int) -> tuple[Forward
     host_seq = [m + d - 1 for m in batch.kv for _ in range(k)]
     fb = tree_batch(f.tok.reshape(-1), batch.frontier_kv + (d - 2), own.reshape(-1), host_seq, batch.index.frontier,
                     runner.max_model_len, max_kv + d - 2, spec_hidden=f.hidden)
-    return runner.forward_tree(fb, table, mtp=True), anc
+    return forward_tree(runner, fb, table, draft), anc
 
 
 def _select(tok, score, parent, depth, unselected: torch.Tensor, node_ids: torch.Tensor) -> torch.Tensor:

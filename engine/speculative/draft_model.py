@@ -10,7 +10,9 @@ vocabulary. Every mismatch is a one-line UsageError at start-up, before the firs
 from __future__ import annotations
 
 from engine.args import EngineArgs, ModelArgs
+from engine.checkpoint.resolve import resolve_model
 from engine.errors import UsageError
+from engine.model.builder import build_model, has_mtp_layer
 
 
 def check_spec_launch(args: EngineArgs, resolved) -> None:
@@ -19,8 +21,6 @@ def check_spec_launch(args: EngineArgs, resolved) -> None:
     if not spec.enabled:
         return
     if spec.speculative_draft is None:
-        from engine.model.builder import has_mtp_layer
-
         if not has_mtp_layer(resolved.config, None if resolved.dummy else resolved.path):
             raise UsageError(f"--speculative-algorithm {spec.speculative_algorithm}: {args.model.model} has no "
                              "MTP/NextN layer; give a draft with --speculative-draft")
@@ -29,8 +29,6 @@ def check_spec_launch(args: EngineArgs, resolved) -> None:
 
 
 def resolve_draft(args: EngineArgs):
-    from engine.resolve import resolve_model
-
     return resolve_model(ModelArgs(model=args.speculative.speculative_draft, load_format=args.model.load_format,
                                    revision=None))
 
@@ -58,8 +56,6 @@ def attach_draft(runner, own_mtp):
             raise UsageError(f"--speculative-algorithm {args.speculative.speculative_algorithm}: "
                              f"{args.model.model} has no MTP/NextN layer; give a draft with --speculative-draft")
         return own_mtp
-    from engine.model.builder import build_model, has_mtp_layer
-
     draft = resolve_draft(args)
     check_draft_config(draft.config, runner.resolved.config)
     ckpt = None if draft.dummy else draft.path
@@ -67,6 +63,6 @@ def attach_draft(runner, own_mtp):
         raise UsageError(f"--speculative-draft {args.speculative.speculative_draft}: its weights have no "
                          "MTP/NextN layer")
     _, mtp = build_model(draft.config, 1, runner.dtype, runner.device, runner.fp8_block, runner.parallel.tp,
-                         checkpoint=ckpt, seed=args.model.seed, mtp=True)
+                         checkpoint=ckpt, seed=args.model.seed, mtp=True, kernels=runner.kernels)
     mtp.layer.self_attn.layer_id = runner.num_layers  # the pool's layer after the target's decoder layers
     return mtp

@@ -1,1 +1,1 @@
-"""Checkpoint I/O: safetensors loading, FP8 blocks, dummy and built-in synthetic weights, completeness checks."""
+"""Weights into modules: safetensors slices per rank, FP8 kept / dequantised / quantised, dummy weights."""

@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
+from engine.checkpoint.config import ModelConfig
 from engine.distributed.groups import TPGroup
 from engine.errors import CheckpointError
 from engine.weights.sharding import SliceSpec, dequant_slice, expert_owner, group_spec, read_slice, scale_spec
@@ -104,11 +104,9 @@ def hf_to_target(name: str, cfg: ModelConfig, num_layers: int, mtp: bool) -> Opt
 class _Shards:
     """The checkpoint's shard files, opened on first use, read as one TP rank's slices."""
 
-    def __init__(self, ckpt: Path, wmap: dict[str, str], tp: Optional[TPGroup] = None):
-        from engine.model.layers import solo_group
-
+    def __init__(self, ckpt: Path, wmap: dict[str, str], tp: TPGroup):
         self.ckpt, self.wmap, self._open = ckpt, wmap, {}
-        self.tp = tp or solo_group()
+        self.tp = tp
 
     def handle(self, name: str):
         fname = self.wmap[name]
@@ -163,11 +161,11 @@ def _convert(src: torch.Tensor, scale: Optional[torch.Tensor], dst: torch.Tensor
 
 
 def load_checkpoint(modules: dict[str, torch.nn.Module], ckpt: Path, cfg: ModelConfig, num_layers: int,
-                    block: tuple[int, int], tp: Optional[TPGroup] = None) -> None:
+                    block: tuple[int, int], tp: TPGroup) -> None:
     """Fill the parameters of modules {"": main model, "mtp.": MTP layer or absent} from ckpt.
 
     block: the checkpoint's FP8 block (and the block plain weights are quantised to for FP8 targets).
-    tp: the TP group the modules were built for (None: unsplit); only this rank's slices are read."""
+    tp: the TP group the modules were built for (size 1: unsplit); only this rank's slices are read."""
     wmap = weight_map(ckpt)
     mtp = "mtp." in modules
     params = {prefix + k: v for prefix, mod in modules.items() for k, v in mod.named_parameters()}

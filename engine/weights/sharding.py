@@ -25,7 +25,7 @@ only; dense MLPs and experts over the whole group. `group_spec` reads all this f
 FP8 block scales (`weight_scale_inv`, `w13_scale`, `w2_scale`) are sliced by block index so they
 cover exactly the weight slice: weight rows [s, s + L) take scale rows [s // b, ceil((s + L) / b)).
 `dequant_slice` dequantises such a pair exactly even when the slice does not start on a block
-boundary; engine.distributed.parallel_config decides which slices may stay FP8 for the kernels.
+boundary; engine.distributed.divisibility decides which slices may stay FP8 for the kernels.
 
 `read_slice` reads only a rank's part of a tensor through safetensors' `get_slice`, so no rank
 materialises a whole tensor, let alone the whole checkpoint.

@@ -1,5 +1,5 @@
 """The multi-GPU benchmark scripts' own logic (benchmarks/layouts.py, multi_gpu_check.py, bench_collectives.py,
-multi_gpu_tables.py and bench_decode.py's per-GPU floor), on CPU: what they parse, compare and compute."""
+multi_gpu_tables.py and the per-GPU floor they use), on CPU: what they parse, compare and compute."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 import pytest
 
 from benchmarks import bench_collectives, multi_gpu_check, multi_gpu_tables
-from benchmarks.bench_decode import step_floor_s
 from benchmarks.layouts import cli_flags, engine_flags, split
-from engine.config import parse_config
-from engine.models import lookup
+from engine.checkpoint.config import parse_config
+from engine.checkpoint.registry import lookup
+from engine.distributed.step_floor import step_floor_s
 
 
 def test_layout_names_map_to_flags():

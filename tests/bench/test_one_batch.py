@@ -10,10 +10,14 @@ import time
 import pytest
 from rich.console import Console
 
-from dsctl.bench_one_batch import OneBatchResult, RunTimes, bench, percentile, summarize
+from dsctl.bench_one_batch import bench
 from dsctl.bench_one_batch_report import layouts
+from dsctl.bench_one_batch_timing import OneBatchResult, RunTimes, percentile, summarize
 from dsctl.tables import pick_fitting
 from engine.args import EngineArgs
+from engine.checkpoint.config import parse_config
+from engine.checkpoint.registry import lookup
+from engine.distributed.step_floor import step_floor_s
 from tests.cli.screen import assert_fits, assert_no_empty_column
 
 FIRST_USE_S = 0.5  # what a shape's first forward costs here (stands for compilation / autotuning / capture)
@@ -22,7 +26,7 @@ FIRST_USE_S = 0.5  # what a shape's first forward costs here (stands for compila
 def test_each_shape_is_warmed_up_before_it_is_timed(monkeypatch, tmp_path):
     """The first forward of every new shape (prefill: batch x tokens; decode: batch) is made slow, as
     compilation is on a GPU; no reported figure may include it."""
-    from engine.runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
     seen, first_uses = set(), []
     real_forward = ModelRunner.forward
@@ -51,6 +55,50 @@ def test_each_shape_is_warmed_up_before_it_is_timed(monkeypatch, tmp_path):
     assert len(rows) == 4 and rows[0]["model"] == "tiny" and rows[0]["device"] == "cpu"
     assert {"prefill_latency_min_s", "prefill_latency_max_s", "decode_latency_p10_s", "decode_latency_p90_s"} <= \
         set(rows[0])
+    # CPU: no copy bandwidth, so no floor; the fields are there, empty, and the note says why
+    assert (rows[0]["copy_bandwidth_gbs"], rows[0]["decode_floor_ms"], rows[0]["decode_vs_floor"]) == (None,) * 3
+    assert "No bytes floor on cpu" in run.note
+
+
+def test_each_row_has_its_bytes_floor_at_the_measured_bandwidth(monkeypatch, tmp_path):
+    """The floor is the layout's decode step bytes (engine/distributed/step_floor.py, context input + output / 2,
+    the runner's dtype) at the bandwidth measured before the runner was built (here: stood in for on CPU)."""
+    import dsctl.bench_one_batch as one_batch
+
+    monkeypatch.setattr(one_batch, "measure_bandwidth", lambda device: 1e12)
+    out = tmp_path / "r.jsonl"
+    run = bench(EngineArgs.of(model="tiny", device="cpu"), [1, 4], [8], [5], result_file=out, repeats=1)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    cfg = parse_config(lookup("tiny").config_dict())
+    nbytes = {"float32": 4, "bfloat16": 2}[rows[0]["dtype"]]
+    for r, row in zip(run.results, rows):
+        floor = step_floor_s(cfg, cfg.num_hidden_layers, r.batch_size, 8 + 5 // 2, nbytes, 1e12, nbytes)
+        assert row["copy_bandwidth_gbs"] == 1000 and row["decode_floor_ms"] == pytest.approx(floor * 1e3)
+        assert row["decode_vs_floor"] == pytest.approx(row["median_decode_latency_s"] / floor)
+    assert run.results[1].decode_floor_ms > run.results[0].decode_floor_ms  # more experts and KV at batch 4
+    assert "1000 GB/s copy bandwidth" in run.note
+
+
+@pytest.mark.parametrize("width", [200, 80, 60])
+def test_table_shows_the_floor_when_there_is_one(width):
+    results = _results([1, 32], [256], False)
+    results[0].decode_floor_ms, results[0].decode_vs_floor = 4.1, 3.0
+    console = Console(width=width, record=True, file=open("/dev/null", "w"))
+    console.print(pick_fitting(console, layouts(results, "deepseek-v3, 5 layers, cuda:0 bf16", "floor: the note")))
+    text = console.export_text()
+    assert_fits(text, width)
+    table, = assert_no_empty_column(text)
+    cells = " ".join(" ".join(c) for c in table["columns"])
+    assert "4.100" in text and "x3.00" in text and "floor: the note" in text
+    if width == 200:
+        assert {"floor ms", "x floor"} <= set(table["headers"])
+        assert table["columns"][table["headers"].index("floor ms")] == ["4.100", "-"]  # a row without: "-"
+    elif width == 80:
+        assert "floor ms (x floor)" in table["headers"] and "-" in cells
+    bare = _results([1], [256], False)  # no floor (CPU): no floor column, only the note
+    console.print(pick_fitting(console, layouts(bare, "tiny, 4 layers, cpu float32", "No bytes floor on cpu")))
+    text = console.export_text()
+    assert "No bytes floor on cpu" in text and "floor ms" not in text
 
 
 def test_summary_spread_is_over_repeats():

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from dsctl.bench_one_batch import batch_share, bench, layout_name
+from dsctl.bench_one_batch import bench
 from dsctl.bench_one_batch_ranks import BenchRankError
+from dsctl.bench_one_batch_timing import batch_share, layout_name
 from engine.args import EngineArgs
 from engine.errors import UsageError
 

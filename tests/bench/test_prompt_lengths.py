@@ -75,8 +75,8 @@ def test_ranged_lengths_stay_inside_their_bounds(live, results):
 
 
 def test_chat_messages_have_the_asked_tokens_plus_the_template(live, results):
-    from engine.resolve import registry_tokenizer
-    from engine.tokenizer import Tokenizer
+    from engine.checkpoint.resolve import registry_tokenizer
+    from engine.checkpoint.tokenizer import Tokenizer
 
     console, out = _console()
     s = run_serving(ServingOptions(base_url=live.url, endpoint="chat", num_prompts=4, random_input_len=37,

@@ -60,8 +60,8 @@ def test_directory_without_config(tmp_path):
 def test_checkpoint_with_deleted_shard(tmp_path):
     import shutil
 
-    from engine.models import lookup
-    from engine.weights.tiny import materialize
+    from engine.checkpoint.registry import lookup
+    from engine.checkpoint.tiny import materialize
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(materialize("tiny", lookup("tiny").config_dict()), ckpt)

@@ -1,14 +1,14 @@
 """Fixtures for the tensor-parallel groundwork tests: the built-in tiny checkpoints (written once per
-cache dir by engine/weights/tiny.py) with their configs."""
+cache dir by engine/checkpoint/tiny.py) with their configs."""
 
 import pytest
 
-from engine.config import parse_config
-from engine.models import lookup
+from engine.checkpoint.config import parse_config
+from engine.checkpoint.registry import lookup
 
 
 def _checkpoint(alias: str):
-    from engine.weights import tiny
+    from engine.checkpoint import tiny
 
     entry = lookup(alias)
     return tiny.materialize(alias, entry.config_dict()), parse_config(entry.config_dict())

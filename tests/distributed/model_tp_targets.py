@@ -54,9 +54,9 @@ def params_by_checkpoint_name(model, mtp) -> dict[str, torch.Tensor]:
 
 
 def _checkpoint(alias: str):
-    from engine.config import parse_config
-    from engine.models import lookup
-    from engine.weights import tiny
+    from engine.checkpoint import tiny
+    from engine.checkpoint.config import parse_config
+    from engine.checkpoint.registry import lookup
 
     entry = lookup(alias)
     return tiny.materialize(alias, entry.config_dict()), parse_config(entry.config_dict())
@@ -72,9 +72,9 @@ class _Driver:
 
     def __init__(self, case: Case, tp):
         from engine.memory.pools import KVPool, ReqToTokenPool
-        from engine.model.backends import ATTENTION_BACKENDS, MOE_BACKENDS, BackendSetup
         from engine.model.builder import build_model
         from engine.model.context import ForwardContext
+        from engine.model.kernel_registry import ATTENTION, MOE, KernelSetup
         from engine.model.rope import RotaryEmbedding
         from kernels.interpret import interpreting
 
@@ -87,11 +87,11 @@ class _Driver:
         layers = cfg.num_hidden_layers + 1
         self.kv = KVPool(layers, 128, cfg.kv_cache_dim, dt, dev)
         self.table = ReqToTokenPool(len(PROMPT_LENS), 64, dev)
-        setup = BackendSetup(cfg, dev, dt, dt, (), interpreting(), tp_size=tp.size if tp else 1)
+        setup = KernelSetup(cfg, dev, dt, dt, (), interpreting(), tp_size=tp.size if tp else 1)
         # flashinfer: tests/engine/fake_flashinfer.py stands in for the kernels (its start-up check wants CUDA)
-        name = case.attention if case.attention == "flashinfer" else ATTENTION_BACKENDS.resolve(case.attention, setup)
-        attn = ATTENTION_BACKENDS.build(name, setup, self.kv, self.table)
-        moe = MOE_BACKENDS.build(MOE_BACKENDS.resolve(case.moe, setup), setup)
+        name = case.attention if case.attention == "flashinfer" else ATTENTION.resolve(case.attention, setup)
+        attn = ATTENTION.build(name, setup, self.kv, self.table)
+        moe = MOE.build(MOE.resolve(case.moe, setup), setup)
         rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, 64, dev)
         self.ctx = ForwardContext(self.kv, self.table, rotary, attn, moe)
 

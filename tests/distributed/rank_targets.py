@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from engine.distributed.launch import start_ranks
+from engine.runtime.launch import start_ranks
 
 
 def sleep_long(local_rank: int) -> None:
@@ -53,6 +53,18 @@ def peers_fail_after(local_rank: int, bad: int) -> None:
 def ignore_sigterm(local_rank: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(120)
+
+
+def echo(local_rank: int, kill_rank: int, inbox, outbox) -> None:
+    """An `EngineRanks` target: rank 0 echoes every str it receives and returns on anything else; rank
+    `kill_rank` (-1: none) dies by SIGKILL; the other ranks return at once."""
+    if local_rank == kill_rank:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if local_rank != 0:
+        return
+    while isinstance(msg := inbox.recv(), str):
+        outbox.send(msg)
 
 
 def _orphan_parent(from_thread: bool) -> None:

@@ -8,8 +8,8 @@ import torch
 
 from engine.distributed import comm
 from engine.distributed.groups import single_process
-from engine.distributed.launch import free_port, start_ranks
 from engine.distributed.parallel_config import ParallelConfig
+from engine.runtime.launch import free_port, start_ranks
 from tests.distributed import comm_targets
 
 

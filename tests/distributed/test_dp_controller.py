@@ -1,11 +1,11 @@
-"""The DP-attention controller (engine/server/dp_controller.py): which DP group gets each request, and the
+"""The DP-attention controller (engine/runtime/dp_controller.py): which DP group gets each request, and the
 job-wide stats it merges from every group's."""
 
 import pytest
 
+from engine.runtime.dp_controller import DPController
+from engine.runtime.protocol import AbortRequest, AddRequest, EngineStats, Shutdown
 from engine.sampling import SamplingParams
-from engine.server.dp_controller import DPController
-from engine.server.protocol import AbortRequest, AddRequest, EngineStats, Shutdown
 
 
 def _add(i: int, dp_rank=None) -> AddRequest:

@@ -1,6 +1,6 @@
 """Tensor parallel end to end on CPU (gloo): N engine rank processes against the one-process engine.
 
-Every test here starts real rank processes (engine/ranked.py -> engine/server/engine_process.py),
+Every test here starts real rank processes (engine/runtime/offline.py -> ranks.py -> rank_loop.py),
 so the model is split by heads / intermediate / vocab with real all-reduces and gathers.
 Greedy token ids must be identical to one process; log-probs agree to 1e-4 absolute: on CPU in
 float32 the only difference is the order in which the all-reduce sums the ranks' partial
@@ -21,7 +21,9 @@ import torch
 from engine.args import EngineArgs
 from engine.engine import Engine
 from engine.errors import UsageError
-from engine.ranked import EngineRankError, RankedEngine, check_launch
+from engine.runtime.launch_checks import check_launch
+from engine.runtime.offline import RankedEngine
+from engine.runtime.ranks import EngineRankError
 from engine.sampling import SamplingParams
 
 # Radix cache on (shared prefixes below), chunked prefill with small chunks, overlap scheduler on.
@@ -114,7 +116,7 @@ def test_dp_attention_padded_decode_matches_one_process(reference, model, tp, dp
     TP 2; TP 4's four ranks on CI's two cores make each phase slow) and with both loaded."""
     import functools
 
-    from engine.server.engine_process import engine_main
+    from engine.runtime.rank_loop import engine_main
     from tests.distributed.dp_graph_targets import padded_decode_engine
 
     prompts, ref = reference(model)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.distributed.groups import DistInitError, init_parallel
-from engine.distributed.launch import free_port
 from engine.distributed.parallel_config import ParallelConfig
+from engine.runtime.launch import free_port
 
 
 def test_world_of_one_is_the_single_process_state():

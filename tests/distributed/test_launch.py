@@ -1,8 +1,10 @@
-"""The rank supervisor (engine/distributed/launch.py) with real spawned processes (no torch: quick).
+"""The rank supervisor (engine/runtime/launch.py) and `EngineRanks` (ranks.py) with real spawned processes
+(no torch in the ranks: quick).
 
 A rank that raises, is killed or exits non-zero is reported by rank, pid and reason, and the other
 ranks are gone within a few seconds; stop() leaves no process behind, even one that ignores
 SIGTERM; ranks die when their parent is SIGKILLed (PR_SET_PDEATHSIG and the getppid watchdog).
+`EngineRanks` carries messages to and from rank 0, and `receive` names the rank that failed.
 """
 
 import os
@@ -14,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.distributed.launch import free_port, start_ranks, with_local_init_addr
 from engine.distributed.parallel_config import ParallelConfig
+from engine.runtime.launch import free_port, start_ranks, with_local_init_addr
+from engine.runtime.ranks import EngineRankError, EngineRanks
 from tests.distributed import rank_targets as rt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,3 +133,27 @@ def test_free_port_and_local_init_addr():
     assert host == "127.0.0.1" and 0 < p < 65536
     multi = ParallelConfig(tp_size=4, nnodes=2, dist_init_addr="10.1.1.1:7000")
     assert with_local_init_addr(multi) is multi
+
+
+def test_engine_ranks_carry_messages_to_rank_0_and_back():
+    ranks = EngineRanks.start(rt.echo, ParallelConfig(tp_size=2), -1)
+    try:
+        ranks.send("hello")
+        ranks.send("again")
+        assert [ranks.receive(), ranks.receive()] == ["hello", "again"]
+        ranks.send(None)  # rank 0 returns: its pipe closes
+        with pytest.raises(EngineRankError, match="^the engine's rank 0 exited$"):
+            ranks.receive()
+    finally:
+        ranks.shutdown(timeout=5)
+    assert ranks.stopped and wait_gone(ranks.pids, 5)
+
+
+def test_engine_ranks_receive_names_the_rank_that_failed():
+    ranks = EngineRanks.start(rt.echo, ParallelConfig(tp_size=3), 2)
+    start = time.monotonic()
+    with pytest.raises(EngineRankError, match=r"^engine rank 2 \(pid \d+\) failed: killed by SIGKILL$"):
+        ranks.receive()
+    assert time.monotonic() - start < 10
+    assert wait_gone(ranks.pids, 5) and ranks.alive() == []
+    ranks.shutdown(timeout=5)  # idempotent after a failure

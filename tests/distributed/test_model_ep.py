@@ -141,8 +141,8 @@ def test_local_expert_ids():
 
 
 def test_deepseek_v3_ep8_rank_holds_32_whole_experts():
-    from engine.config import parse_config
-    from engine.models import lookup
+    from engine.checkpoint.config import parse_config
+    from engine.checkpoint.registry import lookup
 
     cfg = parse_config(lookup("deepseek-v3").config_dict())
 

@@ -29,10 +29,10 @@ import pytest
 import torch
 
 from engine.distributed.groups import TPGroup
-from engine.distributed.launch import free_port, start_ranks
 from engine.distributed.parallel_config import ParallelConfig
 from engine.errors import UsageError
 from engine.model.builder import build_model, make_modules
+from engine.runtime.launch import free_port, start_ranks
 from engine.weights.loader import iter_params
 from engine.weights.sharding import is_scale, shard_spec, split_kind, weight_name
 from kernels.fp8_math import FP8_DTYPE
@@ -223,8 +223,8 @@ def test_routed_experts_kept_fp8_sum_over_ranks_to_the_unsplit_layer():
 def test_per_rank_parameter_bytes(alias, block, tps):
     """Bytes of the parameters a rank allocates vs replicated + split / N, both from the model's own
     parameters (built on the meta device; the split ones are those sharding.py does not replicate)."""
-    from engine.config import parse_config
-    from engine.models import lookup
+    from engine.checkpoint.config import parse_config
+    from engine.checkpoint.registry import lookup
 
     cfg = parse_config(lookup(alias).config_dict())
 
@@ -293,11 +293,11 @@ def test_tiny_fp8_tp_registry_model():
 
 
 def test_flashinfer_backend_gets_the_local_head_count():
-    from engine.config import parse_config
-    from engine.model.backends import BackendSetup
-    from engine.models import lookup
+    from engine.checkpoint.config import parse_config
+    from engine.checkpoint.registry import lookup
+    from engine.model.kernel_registry import KernelSetup
 
     cfg = parse_config(lookup("deepseek-v3").config_dict())
-    setup = BackendSetup(cfg, torch.device("cpu"), torch.bfloat16, torch.bfloat16, tp_size=8)
-    assert setup.local_heads == 16 and BackendSetup(cfg, torch.device("cpu"), torch.bfloat16,
-                                                    torch.bfloat16).local_heads == 128
+    setup = KernelSetup(cfg, torch.device("cpu"), torch.bfloat16, torch.bfloat16, tp_size=8)
+    assert setup.local_heads == 16 and KernelSetup(cfg, torch.device("cpu"), torch.bfloat16,
+                                                   torch.bfloat16).local_heads == 128

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.args import EngineArgs
-from engine.ranked import RankedEngine
+from engine.runtime.offline import RankedEngine
 from engine.sampling import SamplingParams
 from tests.engine import hf_oracle as H
 

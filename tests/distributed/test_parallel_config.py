@@ -4,15 +4,11 @@ from dataclasses import replace
 
 import pytest
 
-from engine.config import parse_config
-from engine.distributed.parallel_config import (
-    ParallelConfig,
-    check_model_divisible,
-    parse_host_port,
-    working_tp_sizes,
-)
+from engine.checkpoint.config import parse_config
+from engine.checkpoint.registry import lookup
+from engine.distributed.divisibility import check_model_divisible, working_tp_sizes
+from engine.distributed.parallel_config import ParallelConfig, parse_host_port
 from engine.errors import UsageError
-from engine.models import lookup
 
 
 def config(alias: str):

@@ -135,7 +135,7 @@ def test_fp8_scale_slices_dequantise_each_rank_exactly(tiny_fp8_ckpt, tp):
 
 def test_straddling_slice_needs_the_offset():
     """192-row slices of 128-row blocks: dequant_slice is exact; offset-free dequantisation is not,
-    which is why parallel_config rejects such splits while weights stay FP8."""
+    which is why divisibility rejects such splits while weights stay FP8."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(384, 256, generator=g) * torch.linspace(0.1, 10, 384)[:, None]
     q, s = quantize_block_fp8(w, BLOCK)

@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.config import parse_config
+from engine.checkpoint.config import parse_config
+from engine.checkpoint.registry import lookup
 from engine.distributed import sizing
 from engine.distributed.sizing import GIB, Layout, check_fits, kv_bytes_per_token, plan_memory, weight_bytes
 from engine.errors import UsageError
-from engine.models import lookup
 from engine.weights.sharding import is_scale, local_shape, weight_name
 
 BLOCK = (128, 128)

@@ -1,4 +1,4 @@
-"""engine.weights.check: the local checkpoint completeness check shared with the loader."""
+"""engine.checkpoint.check: the local checkpoint completeness check shared with the loader."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.checkpoint.check import check_checkpoint, require_complete_checkpoint
 from engine.errors import CheckpointError
-from engine.weights.check import check_checkpoint, require_complete_checkpoint
 from tests.download.conftest import SHARDS, make_repo_files
 
 

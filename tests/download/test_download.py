@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dsctl import hub_download
-from engine.weights.check import check_checkpoint
+from engine.checkpoint.check import check_checkpoint
 from tests.download.conftest import REPO, SHARDS, run_download
 
 FAST = ("--retry-wait", "0.01")

@@ -5,7 +5,7 @@ import os
 import signal
 import time
 
-from engine.triton_precompile import BackgroundCompiles, Specialisation
+from engine.runner.triton_precompile import BackgroundCompiles, Specialisation
 
 
 def leave_marker(module: str, name: str, data: str, marker: str) -> None:

@@ -1,87 +1,176 @@
-"""Backend registry (engine/model/backends.py) and the ForwardContext the runner builds from it:
-names, 'auto', start-up checks and their messages, factories, and MoE layers taking their backend
-from the context."""
+"""The kernel registry (engine/model/kernel_registry.py) and what the runner builds from it: names and
+flags per op, 'auto', start-up checks and their messages, factories, the start-up log line, the
+`Kernels` every module is built with, and MoE layers taking their backend from the ForwardContext."""
+
+import dataclasses
+import logging
 
 import pytest
 import torch
 
-from engine.args import EngineArgs
-from engine.config import parse_config
+from engine.args import EngineArgs, KernelArgs
+from engine.checkpoint.config import parse_config
+from engine.checkpoint.registry import lookup
+from engine.distributed import comm
 from engine.errors import UsageError
-from engine.model import backends as bk
-from engine.model.attention import TorchAttentionBackend
+from engine.model import fp8_ops, gate_ops, norm_ops
+from engine.model import kernel_registry as kr
+from engine.model.attention import MLA, TorchAttentionBackend
+from engine.model.kernel_set import Kernels
+from engine.model.layers import MLP, Linear, RMSNorm
 from engine.model.moe import MoE, TorchMoEBackend, TritonMoEBackend
-from engine.models import lookup
-from engine.runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 from tests.engine import fake_flashinfer
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
+BLOCK = (128, 128)
+OPS = list(kr.REGISTRIES)
+FLAG_OPS = ["attention", "moe", "gemm", "rms_norm", "moe_gate"]
 
 
-def _setup(device=CPU, dtype=torch.float32, kv_dtype=None, graphs=(), interpret=False, model="tiny"):
+def _setup(device=CPU, dtype=torch.float32, kv_dtype=None, graphs=(), interpret=False, model="tiny", fp8_block=None):
     cfg = parse_config(lookup(model).config_dict())
-    return bk.BackendSetup(cfg, device, dtype, kv_dtype or dtype, tuple(graphs), interpret)
+    return kr.KernelSetup(cfg, device, dtype, kv_dtype or dtype, tuple(graphs), interpret, fp8_block=fp8_block)
 
 
-@pytest.mark.parametrize("registry", [bk.ATTENTION_BACKENDS, bk.MOE_BACKENDS], ids=["attention", "moe"])
-def test_unknown_backend_names_the_flag_and_the_choices(registry):
+@pytest.mark.parametrize("op", OPS)
+def test_unknown_name_names_the_flag_and_the_choices(op):
+    registry = kr.REGISTRIES[op]
     with pytest.raises(UsageError) as err:
         registry.resolve("cutlass", _setup())
     msg = str(err.value)
-    assert f"--{registry.kind}-backend cutlass" in msg
+    assert f"--{op.replace('_', '-')}-backend cutlass: no such backend" in msg
     for name in registry.choices():
         assert name in msg
-    assert "auto" in registry.choices() and "torch" in registry.choices() and "triton" in registry.choices()
 
 
-def test_choices_per_kind():
-    assert bk.ATTENTION_BACKENDS.choices() == ["auto", "torch", "triton", "flashinfer"]
-    assert bk.MOE_BACKENDS.choices() == ["auto", "torch", "triton"]
+def test_choices_per_op():
+    assert kr.ATTENTION.choices() == ["auto", "torch", "triton", "flashinfer"]
+    assert kr.MOE.choices() == ["auto", "torch", "triton"]
+    assert kr.GEMM.choices() == ["auto", "torch", "triton", "cublas"]
+    assert kr.RMS_NORM.choices() == kr.MOE_GATE.choices() == ["auto", "torch", "triton"]
+    assert kr.ALL_REDUCE.choices() == ["auto", "torch"]
 
 
-@pytest.mark.parametrize("registry", [bk.ATTENTION_BACKENDS, bk.MOE_BACKENDS], ids=["attention", "moe"])
-def test_auto_is_torch_on_cpu_and_triton_on_cuda(registry):
-    assert registry.resolve("auto", _setup(CPU)) == "torch"
-    assert registry.resolve("auto", _setup(CPU, interpret=True)) == "torch"  # the interpreter is opt-in
-    assert registry.resolve("auto", _setup(CUDA, torch.bfloat16, graphs=(1, 2))) == "triton"
-    assert bk.default_backend(CPU) == "torch" and bk.default_backend(CUDA) == "triton"
+@pytest.mark.parametrize("op", FLAG_OPS)
+def test_each_flag_offers_exactly_the_registered_names(op):
+    field = {"attention": "attention_backend"}.get(op, f"{op}_backend")
+    flags = {f.name: f for f in dataclasses.fields(KernelArgs)}
+    assert set(flags[field].metadata["choices"]) == set(kr.REGISTRIES[op].choices())
+    assert KernelArgs(**{field: "torch"}).requested_kernels()[op] == "torch"
+    assert set(KernelArgs().requested_kernels()) == set(FLAG_OPS)  # all_reduce: no flag, always 'auto'
 
 
-@pytest.mark.parametrize("registry", [bk.ATTENTION_BACKENDS, bk.MOE_BACKENDS], ids=["attention", "moe"])
-def test_start_up_checks(registry):
-    with pytest.raises(UsageError, match=r"the Triton kernels need a CUDA GPU \(or TRITON_INTERPRET=1 for slow "
-                                         r"CPU checks\); use --attention-backend torch --moe-backend torch on CPU"):
+def test_auto_on_cpu():
+    names = kr.resolve_kernels({}, _setup(CPU, fp8_block=BLOCK)).names()
+    assert names == dict(attention="torch", moe="torch", gemm="torch", rms_norm="torch", moe_gate="torch",
+                         all_reduce="torch")
+    interp = kr.resolve_kernels({}, _setup(CPU, interpret=True, fp8_block=BLOCK)).names()
+    # the interpreter is opt-in for every op but the FP8 GEMM, which the CPU tests run in Triton
+    assert interp == dict(names, gemm="triton")
+    assert kr.resolve_kernels({}, _setup(CPU, interpret=True)).gemm == "torch"  # no FP8 weights: no FP8 GEMM
+
+
+@pytest.mark.parametrize("cublas_why,gemm", [("", "cublas"), ("no cuBLASLt here", "triton")])
+def test_auto_on_cuda(monkeypatch, cublas_why, gemm):
+    monkeypatch.setattr(kr, "cublas_unavailable_reason", lambda device: cublas_why)
+    choice = kr.resolve_kernels({}, _setup(CUDA, torch.bfloat16, graphs=(1, 2), fp8_block=BLOCK))
+    assert choice == kr.KernelChoice("triton", "triton", gemm, "triton", "triton", "torch")
+    assert kr.resolve_kernels({}, _setup(CUDA, torch.bfloat16)).gemm == "torch"  # bf16 weights: F.linear
+
+
+@pytest.mark.parametrize("op", FLAG_OPS)
+def test_triton_needs_cuda_or_the_interpreter(op):
+    registry = kr.REGISTRIES[op]
+    flag = registry.flag
+    with pytest.raises(UsageError, match=rf"the Triton kernels need a CUDA GPU \(or TRITON_INTERPRET=1 for slow "
+                                         rf"CPU checks\); use {flag} torch on CPU"):
         registry.resolve("triton", _setup(CPU))
     assert registry.resolve("triton", _setup(CPU, interpret=True)) == "triton"
+    assert registry.resolve("torch", _setup(CPU)) == "torch"
+
+
+@pytest.mark.parametrize("registry", [kr.ATTENTION, kr.MOE], ids=["attention", "moe"])
+def test_torch_backends_refuse_cuda_graphs(registry):
     with pytest.raises(UsageError, match="cannot be captured in CUDA graphs: add --disable-cuda-graph"):
         registry.resolve("torch", _setup(CUDA, torch.bfloat16, graphs=(1,)))
     assert registry.resolve("torch", _setup(CUDA, torch.bfloat16)) == "torch"  # eager CUDA is fine
-    assert registry.resolve("torch", _setup(CPU)) == "torch"
+
+
+def test_cublas_check_says_what_to_use_instead(monkeypatch):
+    with pytest.raises(UsageError, match=r"--gemm-backend cublas: cuBLASLt's block-scaled FP8 GEMM needs a CUDA "
+                                         r"GPU; use --gemm-backend triton \(or torch\)"):
+        kr.GEMM.resolve("cublas", _setup(CPU, interpret=True, fp8_block=BLOCK))
+    monkeypatch.setattr(kr, "cublas_unavailable_reason", lambda device: "")
+    assert kr.GEMM.resolve("cublas", _setup(CUDA, torch.bfloat16, fp8_block=BLOCK)) == "cublas"
 
 
 def test_flashinfer_check_runs_at_resolve():
     with pytest.raises(UsageError, match="--attention-backend flashinfer needs a CUDA GPU"):
-        bk.ATTENTION_BACKENDS.resolve("flashinfer", _setup(CPU))
+        kr.ATTENTION.resolve("flashinfer", _setup(CPU))
 
 
-def test_runner_reports_the_check_of_the_backend_it_cannot_run(monkeypatch):
-    import engine.runner as runner_mod
+def test_build_kernels_gives_the_chosen_callables():
+    setup = _setup(CPU, interpret=True)
+    choice = kr.resolve_kernels(dict(gemm="triton", rms_norm="triton", moe_gate="triton"), setup)
+    assert kr.build_kernels(choice, setup) == Kernels(fp8_ops.triton_linear, norm_ops.triton_rms_norm,
+                                                      gate_ops.triton_gate, comm.all_reduce)
+    ref = kr.build_kernels(kr.resolve_kernels({}, _setup(CPU)), setup)
+    assert ref == Kernels(fp8_ops.torch_linear, norm_ops.torch_rms_norm, gate_ops.torch_gate, comm.all_reduce)
+    assert kr.GEMM.build("cublas", setup) is fp8_ops.cublas_linear
+
+
+def test_describe_names_what_runs_for_each_op(monkeypatch):
+    monkeypatch.setattr(kr, "cublas_unavailable_reason", lambda device: "")
+    setup = _setup(CUDA, torch.bfloat16, fp8_block=BLOCK)
+    assert kr.describe(kr.resolve_kernels({}, setup), setup) == (
+        "attention triton, moe triton, gemm triton+cublas, rms_norm triton, moe_gate triton, all_reduce nccl")
+    cpu = _setup(CPU)
+    assert kr.describe(kr.resolve_kernels({"attention": "torch"}, cpu), cpu) == (
+        "attention torch, moe torch, gemm torch, rms_norm torch, moe_gate torch, all_reduce gloo")
+
+
+def test_runner_logs_its_kernels_once(caplog):
+    with caplog.at_level(logging.INFO, logger="engine.runner.model_runner"):
+        runner = ModelRunner(EngineArgs.of(model="tiny", device="cpu", rms_norm_backend="triton",
+                                           moe_gate_backend="triton", max_total_tokens=256))
+    lines = [r.getMessage() for r in caplog.records if "kernels:" in r.getMessage()]
+    assert lines == ["rank 0 kernels: attention torch, moe torch, gemm torch, rms_norm triton, moe_gate triton, "
+                     "all_reduce gloo"]
+    assert runner.kernel_choice.rms_norm == "triton"
+
+
+def test_every_module_runs_the_runners_kernels():
+    runner = ModelRunner(EngineArgs.of(model="tiny", device="cpu", rms_norm_backend="triton",
+                                       moe_gate_backend="triton", max_total_tokens=256))
+    assert runner.kernels.rms_norm is norm_ops.triton_rms_norm and runner.kernels.moe_gate is gate_ops.triton_gate
+    kinds = (RMSNorm, Linear, MLP, MoE, MLA)
+    modules = [m for m in [*runner.model.modules(), *runner.mtp.modules()] if isinstance(m, kinds)]
+    assert {type(m) for m in modules} == set(kinds)
+    assert all(m.kernels is runner.kernels for m in modules)
+
+
+def test_runner_reports_the_check_of_the_kernel_it_cannot_run(monkeypatch):
+    import engine.runner.model_runner as runner_mod
 
     monkeypatch.setattr(runner_mod, "interpreting", lambda: False)
     with pytest.raises(UsageError, match="the Triton kernels need a CUDA GPU"):
         ModelRunner(EngineArgs.of(model="tiny", device="cpu", moe_backend="triton", max_total_tokens=256))
+    with pytest.raises(UsageError, match="use --rms-norm-backend torch on CPU"):
+        ModelRunner(EngineArgs.of(model="tiny", device="cpu", rms_norm_backend="triton", max_total_tokens=256))
     with pytest.raises(UsageError, match="--attention-backend flashinfer needs a CUDA GPU"):
         ModelRunner(EngineArgs.of(model="tiny", device="cpu", enable_flashinfer_mla=True, max_total_tokens=256))
 
 
 def test_registering():
-    reg = bk.BackendRegistry("attention")
+    reg = kr.OpRegistry("attention")
     seen = []
     reg.register("mine", seen.append, lambda setup, pool, table: ("built", pool, table))
     setup = _setup()
     assert reg.choices() == ["auto", "mine"]
     assert reg.resolve("mine", setup) == "mine" and seen == [setup]
     assert reg.build("mine", setup, "pool", "table") == ("built", "pool", "table")
+    assert reg.label("mine", setup) == "mine"
     for taken in ("mine", "auto"):
         with pytest.raises(ValueError, match="taken"):
             reg.register(taken, seen.append, lambda *a: None)
@@ -91,23 +180,57 @@ def test_registering():
 
 def test_factories_build_the_backend_classes(monkeypatch):
     setup = _setup(CPU, interpret=True)
-    assert isinstance(bk.ATTENTION_BACKENDS.build("torch", setup, None, None), TorchAttentionBackend)
-    assert isinstance(bk.MOE_BACKENDS.build("torch", setup), TorchMoEBackend)
-    assert isinstance(bk.MOE_BACKENDS.build("triton", setup), TritonMoEBackend)
+    assert isinstance(kr.ATTENTION.build("torch", setup, None, None), TorchAttentionBackend)
+    assert isinstance(kr.MOE.build("torch", setup), TorchMoEBackend)
+    assert isinstance(kr.MOE.build("triton", setup), TritonMoEBackend)
     from engine.model.attention_triton import TritonAttentionBackend
 
-    assert isinstance(bk.ATTENTION_BACKENDS.build("triton", setup, None, None), TritonAttentionBackend)
+    assert isinstance(kr.ATTENTION.build("triton", setup, None, None), TritonAttentionBackend)
     fake_flashinfer.install(monkeypatch)
     from engine.memory.pools import KVPool, ReqToTokenPool
 
     cfg = setup.config
     pool = KVPool(1, 64, cfg.kv_cache_dim, torch.float32, CPU)
     table = ReqToTokenPool(4, 33, CPU)
-    fi = bk.ATTENTION_BACKENDS.build("flashinfer", bk.BackendSetup(cfg, CPU, torch.float32, torch.float32, (1, 8)),
-                                     pool, table)
+    fi = kr.ATTENTION.build("flashinfer", kr.KernelSetup(cfg, CPU, torch.float32, torch.float32, (1, 8)), pool, table)
     assert (fi.num_heads, fi.kv_lora_rank, fi.rope_dim) == (cfg.num_attention_heads, cfg.kv_lora_rank,
                                                             cfg.qk_rope_head_dim)
     assert fi.max_graph_bs == 8 and fi.max_context == 33 and fi.kv_dtype == torch.float32
+
+
+class Counting:
+    """Wraps a callable and counts the calls."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.inner(*args)
+
+
+def test_the_kernels_given_at_construction_run(monkeypatch):
+    """The runner's `Kernels` reach RMSNorm, the MoE gate and the all-reduces: counted during a generate."""
+    import engine.runner.model_runner as runner_mod
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    made = []
+
+    def counting_kernels(choice, setup):
+        k = kr.build_kernels(choice, setup)
+        made.append(Kernels(*(Counting(f) for f in (k.gemm, k.rms_norm, k.moe_gate, k.all_reduce))))
+        return made[-1]
+
+    monkeypatch.setattr(runner_mod, "build_kernels", counting_kernels)
+    eng = Engine(model="tiny", device="cpu", max_total_tokens=512)
+    (kernels,) = made
+    counts = lambda: [f.calls for f in (kernels.rms_norm, kernels.moe_gate, kernels.all_reduce)]  # noqa: E731
+    before = counts()
+    sp = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
+    eng.generate(input_ids=[[5, 6, 7, 8]], sampling_params=sp)
+    assert all(after > b for after, b in zip(counts(), before))
+    assert kernels.gemm.calls == 0  # CPU: no FP8 weights (dequantised), so no block-FP8 GEMM
 
 
 class CountingMoE:
@@ -127,7 +250,7 @@ def test_moe_layers_take_their_backend_from_the_forward_context():
 
     eng = Engine(model="tiny", device="cpu", max_total_tokens=512)
     runner = eng.runner
-    assert (runner.attention_backend, runner.moe_backend) == ("torch", "torch")
+    assert (runner.kernel_choice.attention, runner.kernel_choice.moe) == ("torch", "torch")
     assert isinstance(runner.forward_ctx.moe_backend, TorchMoEBackend)
     moe_layers = [m for m in runner.model.modules() if isinstance(m, MoE)]
     assert moe_layers and not any(hasattr(m, "backend") for m in moe_layers)

@@ -3,9 +3,9 @@
 
 import pytest
 
-from engine.config import load_config, parse_config
+from engine.checkpoint.config import load_config, parse_config
+from engine.checkpoint.registry import MODELS, lookup
 from engine.errors import ConfigError
-from engine.models import MODELS, lookup
 
 
 def test_every_registry_config_parses():

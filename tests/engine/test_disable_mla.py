@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from engine.args import EngineArgs
-from engine.config import load_config, parse_config
+from engine.checkpoint.config import load_config, parse_config
+from engine.checkpoint.registry import MODELS
 from engine.engine import Engine
 from engine.errors import UsageError
 from engine.memory.pools import kv_row_dim
-from engine.model.backends import ATTENTION_BACKENDS, BackendSetup
-from engine.models import MODELS
+from engine.model.kernel_registry import ATTENTION, KernelSetup
 from engine.sampling import SamplingParams
 from tests.engine import hf_oracle as H
 
@@ -122,7 +122,7 @@ def test_triton_backend_matches_torch_reference():
 
 
 def test_tp2_ranks_cache_their_own_heads_and_match_transformers(tmp_path):
-    from engine.ranked import RankedEngine
+    from engine.runtime.offline import RankedEngine
 
     ckpt = H.make_checkpoint("v3", tmp_path / "v3", seed=0, vocab_size=212)  # even vocab: splits over 2 ranks
     forced, prompt = _ids(7, 48, 212), _ids(11, 10, 212)
@@ -159,18 +159,18 @@ def test_allowed_combinations():
         EngineArgs.of(model="tiny", disable_mla=True, **flags).validate()
 
 
-def _setup(graphs: tuple[int, ...]) -> BackendSetup:
+def _setup(graphs: tuple[int, ...]) -> KernelSetup:
     cfg = parse_config(MODELS["deepseek-v3"].config_dict())
-    return BackendSetup(cfg, torch.device("cuda"), torch.bfloat16, torch.bfloat16, graphs, expanded_kv=True)
+    return KernelSetup(cfg, torch.device("cuda"), torch.bfloat16, torch.bfloat16, graphs, expanded_kv=True)
 
 
 def test_start_up_checks_with_auto_device():
     """--device auto resolves to CUDA after validate(): the backends' start-up checks decide there."""
-    assert ATTENTION_BACKENDS.resolve("triton", _setup((1, 2, 4))) == "triton"  # paged decode: graphs work
+    assert ATTENTION.resolve("triton", _setup((1, 2, 4))) == "triton"  # paged decode: graphs work
     with pytest.raises(UsageError, match="--disable-cuda-graph"):  # as without --disable-mla
-        ATTENTION_BACKENDS.resolve("torch", _setup((1, 2, 4)))
+        ATTENTION.resolve("torch", _setup((1, 2, 4)))
     with pytest.raises(UsageError, match="FlashInfer"):
-        ATTENTION_BACKENDS.resolve("flashinfer", _setup(()))
+        ATTENTION.resolve("flashinfer", _setup(()))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")

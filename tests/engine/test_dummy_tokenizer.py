@@ -12,11 +12,11 @@ import random
 import pytest
 
 from engine.args import ModelArgs
-from engine.config import parse_config
-from engine.models import MODELS, lookup
-from engine.resolve import resolve_model, tokenizer_source
-from engine.tokenizer import load_tokenizer
-from engine.weights.tiny_tokenizer import ASSISTANT, BOS, EOS, USER, build_tokenizer
+from engine.checkpoint.config import parse_config
+from engine.checkpoint.registry import MODELS, lookup
+from engine.checkpoint.resolve import resolve_model, tokenizer_source
+from engine.checkpoint.tiny_tokenizer import ASSISTANT, BOS, EOS, USER, build_tokenizer
+from engine.checkpoint.tokenizer import load_tokenizer
 
 ALIASES = [e.alias for e in MODELS.values() if not e.builtin]
 
@@ -76,7 +76,7 @@ def test_every_id_decodes_to_text_and_the_chat_template_works(tokenizers):
 
 
 def test_generation_is_deterministic_and_cached(tmp_path, monkeypatch):
-    from engine.dummy_tokenizer import generated_tokenizer_dir
+    from engine.checkpoint.dummy_tokenizer import generated_tokenizer_dir
 
     cfg = parse_config(lookup("deepseek-v2-lite").config_dict())
     files = []

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import parse_config
+from engine.checkpoint.config import parse_config
+from engine.checkpoint.registry import lookup
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.pools import KVPool, ReqToTokenPool
 from engine.model.attention import MLA, TorchAttentionBackend
 from engine.model.attention_triton import AbsorbedRun, ExpandedRun, TritonAttentionBackend, plan_extend
 from engine.model.context import ForwardContext
-from engine.models import lookup
 
 PREFIX = [0, 20, 30, 25, 5, 0]
 EXTEND = [7, 3, 20, 18, 1, 4]  # requests 1 and 4 are prefix-cache hits (short extends over a prefix)

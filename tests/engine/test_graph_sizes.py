@@ -12,7 +12,7 @@ import torch
 
 from engine.args import EngineArgs
 from engine.errors import UsageError
-from engine.runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 
 
 def _sizes(**flags) -> list[int]:

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from engine.args import KERNEL_CONFIG_DIR_ENV, EngineArgs, KernelArgs
-from engine.runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 from kernels import tuned_configs as tc
 
 

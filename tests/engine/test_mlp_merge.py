@@ -2,10 +2,14 @@
 (plain and block-FP8 weights), the builder merges every dense MLP of a loaded model, and FP8 halves
 that are not whole scale blocks stay apart."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from engine.engine import Engine
+from engine.model import fp8_ops
+from engine.model.kernel_set import REFERENCE
 from engine.model.layers import MLP
 from kernels.fp8_math import quantize_block_fp8
 
@@ -24,15 +28,18 @@ def _fill(mlp: MLP, seed: int, fp8: bool) -> None:
             lin.weight.data.copy_(w)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_merged_forward_equals_separate_projections(fp8):
-    mlp = MLP(256, 384, torch.float32, BLOCK if fp8 else None)
+@pytest.mark.parametrize("fp8,gemm", [(False, None), (True, fp8_ops.torch_linear), (True, fp8_ops.triton_linear)],
+                         ids=["bf16", "fp8-torch", "fp8-triton"])
+def test_merged_forward_equals_separate_projections(fp8, gemm):
+    kernels = replace(REFERENCE, gemm=gemm) if gemm else REFERENCE
+    mlp = MLP(256, 384, torch.float32, BLOCK if fp8 else None, kernels=kernels)
     _fill(mlp, 0, fp8)
     gate_w, up_w = mlp.gate_proj.weight.clone(), mlp.up_proj.weight.clone()
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
     before = mlp(x)
     mlp.merge_gate_up()
     assert mlp.gate_up_proj is not None and not hasattr(mlp, "gate_proj") and not hasattr(mlp, "up_proj")
+    assert mlp.gate_up_proj.kernels is kernels  # the merged projection runs the kernels the MLP was given
     assert torch.equal(mlp.gate_up_proj.weight[:384].float(), gate_w.float())
     assert torch.equal(mlp.gate_up_proj.weight[384:].float(), up_w.float())
     if fp8:

@@ -4,13 +4,14 @@ import torch
 
 from engine.engine import Engine
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.speculative.draft_runner import DraftRunner
 
 
 def _run(eng, mode, ids, prefix, row, slots, spec_hidden=None, mtp=False):
     fb = ForwardBatch.build(mode, ids, [row], [prefix], [len(ids)], slots, list(range(len(ids))), eng.runner.device)
     fb.spec_hidden = spec_hidden
     eng.runner.req_to_token.set(row, prefix, slots)
-    return eng.runner.forward_mtp(fb) if mtp else eng.runner.forward(fb)
+    return DraftRunner(eng.runner).forward(fb) if mtp else eng.runner.forward(fb)
 
 
 def test_mtp_layer_loaded_and_consistent_across_chunks():

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from engine.checkpoint.tiny import quantize_state_dict, write_checkpoint
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from engine.weights.tiny import quantize_state_dict, write_checkpoint
 from tests.engine import hf_oracle as H
 
 VARIANTS = ["v3", "v2", "v2-lite", "v3-fp8"]

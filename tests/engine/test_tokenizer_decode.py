@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.args import ModelArgs
-from engine.resolve import resolve_model
-from engine.tokenizer import load_tokenizer
+from engine.checkpoint.resolve import resolve_model
+from engine.checkpoint.tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize("model", ["tiny", "deepseek-v2-lite"])

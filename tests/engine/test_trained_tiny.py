@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from engine.models import lookup
+from engine.checkpoint.registry import lookup
 from scripts import tiny_corpus
 
 WEIGHTS = lookup("tiny-py").weights_dir()
@@ -67,7 +67,7 @@ def test_greedy_text_is_python_like(trained):
 @needs_weights
 def test_tiny_py_is_the_default_model():
     from engine.args import EngineArgs
-    from engine.resolve import resolve_model
+    from engine.checkpoint.resolve import resolve_model
 
     args = EngineArgs()
     assert args.model.model == "tiny-py"
@@ -89,7 +89,7 @@ def test_training_model_exports_what_the_engine_runs(tmp_path):
     logits (main model, then the MTP layer fed the main model's hidden states)."""
     from safetensors.torch import load_file
 
-    from engine.config import parse_config
+    from engine.checkpoint.config import parse_config
     from engine.engine import Engine
     from engine.forward_batch import ForwardMode
     from scripts.eval_tiny import _forward

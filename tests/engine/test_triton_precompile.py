@@ -1,4 +1,4 @@
-"""CPU side of the parallel Triton precompile (engine/triton_precompile.py; the GPU test is
+"""CPU side of the parallel Triton precompile (engine/runner/triton_precompile.py; the GPU test is
 tests/gpu/test_triton_precompile.py): flag checks, the worker share, that a failing compile is
 logged and left to the capture instead of stopping start-up, and that background compiles never hold
 a process at exit."""
@@ -10,7 +10,13 @@ import pytest
 
 from engine.args import EngineArgs
 from engine.errors import UsageError
-from engine.triton_precompile import BackgroundCompiles, LateCompileLog, Specialisation, compile_all, default_workers
+from engine.runner.triton_precompile import (
+    BackgroundCompiles,
+    LateCompileLog,
+    Specialisation,
+    compile_all,
+    default_workers,
+)
 
 
 def test_flag_rejects_negative_workers():
@@ -27,7 +33,7 @@ def test_workers_are_shared_between_ranks_of_a_node():
 
 def test_failed_compile_is_logged_not_raised(caplog):
     spec = Specialisation("engine.no_such_module", "kernel", "{}", "/nonexistent/marker")
-    with caplog.at_level(logging.WARNING, logger="engine.triton_precompile"):
+    with caplog.at_level(logging.WARNING, logger="engine.runner.triton_precompile"):
         assert compile_all([spec], workers=1) == 0
     assert "compiles at capture instead" in caplog.text
     assert compile_all([], workers=4) == 0
@@ -74,14 +80,14 @@ def test_late_compiles_are_logged_with_their_time(caplog, monkeypatch):
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
     clock = iter([10.0, 10.25, 20.0, 20.01])
-    monkeypatch.setattr("engine.triton_precompile.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("engine.runner.triton_precompile.time.perf_counter", lambda: next(clock))
     late = LateCompileLog(warn_ms=100)
     late.install()
     slow, fast = (SimpleNamespace(name=n, jit_function=object()) for n in ("_extend_fwd", "_rms_norm"))
     data = serialize_specialization_data("_extend_fwd", {"q_ptr": "*bf16", "n": "i32", "BLOCK": "constexpr"},
                                          {(2,): tl.constexpr(64)}, {(0,): [["tt.divisibility", 16]]},
                                          SimpleNamespace(num_warps=8), "key", SimpleNamespace(backend="cuda"))
-    with caplog.at_level(logging.DEBUG, logger="engine.triton_precompile"):
+    with caplog.at_level(logging.DEBUG, logger="engine.runner.triton_precompile"):
         for fn in (slow, fast):
             compile = {"specialization_data": data}
             assert knobs.runtime.jit_cache_hook(key=0, repr="r", fn=fn, compile=compile, is_manual_warmup=False,

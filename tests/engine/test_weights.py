@@ -5,13 +5,13 @@ import hashlib
 import pytest
 import torch
 
-from engine.config import parse_config
+from engine.checkpoint import tiny
+from engine.checkpoint.config import parse_config
+from engine.checkpoint.registry import lookup
 from engine.engine import Engine
 from engine.errors import CheckpointError
 from engine.model.deepseek import DeepseekForCausalLM, MTPLayer
-from engine.models import lookup
 from engine.sampling import SamplingParams
-from engine.weights import tiny
 from kernels.fp8_math import dequant_block_fp8, quantize_block_fp8
 
 

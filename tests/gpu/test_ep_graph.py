@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def _routed(moe, cfg, impl):
     def run(x):
         logits = torch.nn.functional.linear(x.float(), moe.gate_weight.float())
-        weights, ids = select_experts(logits, cfg, moe.e_score_correction_bias)
+        weights, ids = select_experts(logits, cfg, moe.e_score_correction_bias, moe.kernels.moe_gate)
         if moe.tp.ep_size > 1:
             ids = local_expert_ids(ids, moe.first_expert, moe.num_local_experts)
         return impl.experts(moe, x, weights, ids)

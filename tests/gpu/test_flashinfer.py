@@ -13,10 +13,10 @@ import json
 import pytest
 import torch
 
-from engine.config import parse_config
+from engine.checkpoint.config import parse_config
+from engine.checkpoint.registry import lookup
 from engine.engine import Engine
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.models import lookup
 from engine.sampling import SamplingParams
 
 pytestmark = [
@@ -31,8 +31,8 @@ TEACHER = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=True)
 
 @pytest.fixture(scope="module")
 def tiny_mla(tmp_path_factory) -> str:
-    from engine.weights.tiny import hf_state_dict, write_checkpoint
-    from engine.weights.tiny_tokenizer import write_tokenizer
+    from engine.checkpoint.tiny import hf_state_dict, write_checkpoint
+    from engine.checkpoint.tiny_tokenizer import write_tokenizer
 
     config = dict(lookup("tiny").config_dict(), num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
                   qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
@@ -115,7 +115,7 @@ def test_flashinfer_spec_greedy_identical_with_graphs_and_compile(tiny_mla):
     off = _engine(tiny_mla, **kw).generate(input_ids=ps, sampling_params=params)
     eng = _engine(tiny_mla, **kw, **SPEC)
     on = [o.token_ids for o in eng.generate(input_ids=ps, sampling_params=params)]
-    assert eng.runner.mtp_graphs is not None and eng.scheduler.spec.stats.steps > 0
+    assert eng.runner.draft.graphs is not None and eng.scheduler.spec.stats.steps > 0
     same = same_up_to_ties(on, off)
     print(f"flashinfer spec: {same} of {sum(len(o.token_ids) for o in off)} tokens equal before any near-tie flip")
     assert same >= sum(len(o.token_ids) for o in off) // 2

@@ -30,8 +30,8 @@ def check():
 
 @pytest.fixture(scope="module")
 def base(check):
-    from engine.config import parse_config
-    from engine.models import lookup
+    from engine.checkpoint.config import parse_config
+    from engine.checkpoint.registry import lookup
 
     vocab = parse_config(lookup("deepseek-v2-lite").config_dict()).vocab_size
     flags = dict(model="deepseek-v2-lite", load_format="dummy", device="cuda", dtype="float32",
@@ -62,7 +62,7 @@ def test_ranks_with_nccl_in_cuda_graphs_exit_promptly(base):
     import time
 
     from engine.args import EngineArgs
-    from engine.ranked import RankedEngine
+    from engine.runtime.offline import RankedEngine
     from engine.sampling import SamplingParams
 
     flags, ids = base

@@ -39,7 +39,7 @@ def _run(model, spec: bool, **kw) -> tuple[list, Engine]:
 def test_spec_greedy_identical_with_graphs_and_compile(model, kw):
     off, _ = _run(model, False, **kw)
     on, eng = _run(model, True, **kw)
-    assert eng.runner.mtp_graphs is not None and eng.runner.req_to_token.num_scratch == 128
+    assert eng.runner.draft.graphs is not None and eng.runner.req_to_token.num_scratch == 128
     stats = eng.scheduler.spec.stats
     on_ids = [o.token_ids for o in on]
     total = sum(len(o.token_ids) for o in off)

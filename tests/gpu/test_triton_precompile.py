@@ -1,4 +1,4 @@
-"""GPU-only: the parallel Triton precompile before CUDA-graph capture (engine/triton_precompile.py).
+"""GPU-only: the parallel Triton precompile before CUDA-graph capture (engine/runner/triton_precompile.py).
 
 Each case runs in a fresh process with a new, empty Triton cache, so that no kernel is compiled or
 cached beforehand. With --triton-compile-workers 2, the recording pass must find the decode path's

@@ -158,6 +158,24 @@ def test_block_fp8_matmul_cublas_config_falls_back_off_gpu(poison):
     assert _rel(block_fp8_matmul(a, wq, ws, config=cfg), block_fp8_matmul_ref(a, wq, ws)) < 1e-5
 
 
+@cpu_only
+def test_block_fp8_matmul_cublas_false_ignores_the_cublas_key(monkeypatch, poison):
+    """--gemm-backend triton (cublas=False): the Triton kernel even where the config says CUBLAS and cuBLASLt
+    could run; the default takes cuBLASLt there (both faked here: no GPU)."""
+    import kernels.fp8 as fp8
+
+    calls = []
+    monkeypatch.setattr(fp8, "cublas_block_fp8_supported", lambda *a: True)
+    marker = torch.full((5, 130), 7.0)
+    monkeypatch.setattr(fp8, "cublas_block_fp8_matmul", lambda aq, *a: calls.append(tuple(aq.shape)) or marker)
+    a = _rand(5, 512, seed=9)
+    wq, ws = quantize_block_fp8(torch.randn(130, 512) * 0.1)
+    cfg = dict(CFGS[0], CUBLAS=1)
+    assert torch.equal(block_fp8_matmul(a, wq, ws, config=cfg), marker) and calls == [(5, 512)]
+    out = block_fp8_matmul(a, wq, ws, config=cfg, cublas=False)
+    assert calls == [(5, 512)] and _rel(out, block_fp8_matmul_ref(a, wq, ws)) < 1e-5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt block-scaled FP8 needs a CUDA GPU")
 @pytest.mark.parametrize("k", [1024, 2304])  # 2304: K % 512 != 0 must take the Triton kernel
 def test_block_fp8_matmul_cublas_gpu(k):

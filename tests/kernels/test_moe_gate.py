@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.model.gate_ops import torch_gate, triton_gate
 from engine.model.moe import select_experts
 from kernels.moe_gate import moe_gate, moe_gate_ref
 
@@ -48,9 +49,11 @@ def test_gate_matches_ref(method, t):
         torch.testing.assert_close(weights.sum(-1), torch.full((t,), kw["routed_scaling_factor"]))
 
 
+@pytest.mark.parametrize("gate", [torch_gate, triton_gate], ids=["torch", "triton"])
 @pytest.mark.parametrize("method", list(CASES))
-def test_gate_matches_engine_router(method):
-    """The engine's select_experts (engine/model/moe.py) is a second, independent oracle."""
+def test_gate_matches_engine_router(method, gate):
+    """The engine's select_experts (engine/model/moe.py) with either gate of engine/model/gate_ops.py is a
+    second, independent oracle."""
     e, kw = _kwargs(method)
     t = 23
     logits, bias = _logits(t, e, seed=3)
@@ -58,7 +61,7 @@ def test_gate_matches_engine_router(method):
                           scoring_func="sigmoid" if method == "noaux_tc" else "softmax",
                           n_group=kw["n_group"], topk_group=kw["topk_group"],
                           norm_topk_prob=kw["norm_topk_prob"], routed_scaling_factor=kw["routed_scaling_factor"])
-    w_eng, i_eng = select_experts(logits, cfg, bias if method == "noaux_tc" else None)
+    w_eng, i_eng = select_experts(logits, cfg, bias if method == "noaux_tc" else None, gate)
     weights, ids = moe_gate(logits, correction_bias=bias if method == "noaux_tc" else None, **kw)
     order_k, order_e = ids.long().sort(-1), i_eng.sort(-1)
     assert torch.equal(order_k.values, order_e.values)

@@ -125,13 +125,13 @@ def test_unsupported_inputs_raise():
         rms_norm_triton(x.double(), w, 1e-6)
 
 
-def test_model_rms_norm_hook():
-    """engine/model/layers.py `rms_norm`: the kernel on CUDA tensors, the torch reference (bit for bit) on CPU."""
-    from engine.model.layers import rms_norm
+def test_engine_rms_norm_kernels():
+    """engine/model/norm_ops.py: 'triton' is the kernel (bit for bit) where it takes the inputs, the torch
+    reference where it does not; 'torch' is the reference."""
+    from engine.model.norm_ops import torch_rms_norm, triton_rms_norm
 
     x, w = _inputs(3, 320, torch.bfloat16, seed=21)
-    got = rms_norm(x, w, 1e-6)
-    if x.is_cuda:
-        assert torch.equal(got, rms_norm_triton(x, w, 1e-6))
-    else:
-        assert torch.equal(got, rms_norm_ref(x, w, 1e-6))
+    assert torch.equal(triton_rms_norm(x, w, 1e-6), rms_norm_triton(x, w, 1e-6))
+    assert torch.equal(torch_rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    xd = x.double()  # float64: not a dtype the kernel takes
+    assert torch.equal(triton_rms_norm(xd, w, 1e-6), rms_norm_ref(xd, w, 1e-6))

@@ -4,9 +4,9 @@ exports them as the histogram dsctl_step_seconds, and DP groups' histograms add 
 from types import SimpleNamespace
 
 from engine.engine import Engine
+from engine.runtime.rank_loop import scheduler_stats
 from engine.sampling import SamplingParams
 from engine.scheduler.step_times import BUCKETS, StepTimes, merge
-from engine.server.engine_process import scheduler_stats
 from engine.server.metrics import ServerMetrics
 
 FLAGS = dict(device="cpu", dtype="float32", attention_backend="torch", moe_backend="torch", max_total_tokens=4096)
@@ -51,7 +51,7 @@ def test_engine_records_every_step_kind_and_metrics_export_them():
 
 def test_step_times_script_reads_the_window_between_two_scrapes():
     from benchmarks.step_times import parse, table
-    from engine.server.protocol import EngineStats
+    from engine.runtime.protocol import EngineStats
 
     t = StepTimes()
     t.record("decode", 0.004)

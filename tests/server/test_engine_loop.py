@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from engine.engine import Engine
+from engine.runtime.protocol import AddFailed, AddRequest, EngineInfo, Shutdown, StepOutputs
+from engine.runtime.rank_loop import EngineLoop
 from engine.sampling import SamplingParams
-from engine.server.engine_process import EngineLoop
 from engine.server.errors import APIError
 from engine.server.generation import Sequence
 from engine.server.inputs import check_prompt
-from engine.server.protocol import AddFailed, AddRequest, EngineInfo, Shutdown, StepOutputs
 
 
 class Outbox:

@@ -19,11 +19,11 @@ import httpx
 import pytest
 
 from engine.args import EngineArgs
-from engine.resolve import resolve_model
+from engine.checkpoint.resolve import resolve_model
+from engine.checkpoint.tokenizer import load_tokenizer
+from engine.runtime.client import EngineClient
+from engine.runtime.rank_loop import engine_main
 from engine.server.app import build_app
-from engine.server.engine_client import EngineClient
-from engine.server.engine_process import engine_main
-from engine.tokenizer import load_tokenizer
 from tests.scheduler.failing_runner import POISON, make_poisoned_engine
 from tests.server.conftest import free_port, kv_settled, wait_for
 from tests.server.offline_ref import reference

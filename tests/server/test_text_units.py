@@ -6,10 +6,10 @@ import random
 
 import pytest
 
+from engine.runtime.protocol import RequestOutput
 from engine.sampling import SamplingParams
 from engine.scheduler.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
 from engine.server.generation import Sequence
-from engine.server.protocol import RequestOutput
 from engine.server.reasoning import ReasoningParser
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from engine.args import EngineArgs
 from engine.errors import UsageError
-from engine.ranked import check_launch
+from engine.runtime.launch_checks import check_launch
 
 
 def _args(**kw):

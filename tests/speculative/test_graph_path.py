@@ -27,7 +27,7 @@ def test_padded_graph_spec_steps_identical(monkeypatch):
     on = Engine(model="tiny-py", **FLAGS, **SPEC)
     on.runner.build_graph_runner(SIZES, capture=False)
     assert on.runner.req_to_token.num_scratch == max(SIZES)
-    target, mtp = _count_replays(monkeypatch, on.runner.graphs), _count_replays(monkeypatch, on.runner.mtp_graphs)
+    target, mtp = _count_replays(monkeypatch, on.runner.graphs), _count_replays(monkeypatch, on.runner.draft.graphs)
     ps = prompts(off.config.vocab_size, n=24, seed=7)
     params = [SamplingParams(max_new_tokens=5 + i % 7, temperature=0, ignore_eos=True, logprobs=True)
               for i in range(len(ps))]

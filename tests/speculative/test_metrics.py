@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 from engine.args import EngineArgs
 from engine.engine import Engine
+from engine.runtime.rank_loop import scheduler_stats
 from engine.sampling import SamplingParams
-from engine.server.engine_process import scheduler_stats
 from engine.server.metrics import ServerMetrics
 from tests.speculative.helpers import FLAGS, SPEC
 

@@ -8,9 +8,9 @@ import pytest
 
 from engine.args import EngineArgs
 from engine.engine import Engine
-from engine.ranked import RankedEngine
+from engine.runtime.offline import RankedEngine
+from engine.runtime.rank_loop import engine_main
 from engine.sampling import SamplingParams
-from engine.server.engine_process import engine_main
 from tests.distributed.dp_graph_targets import padded_spec_engine
 from tests.speculative.helpers import FLAGS, SPEC, prompts
 

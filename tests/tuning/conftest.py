@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def tiny_model(tmp_path) -> Path:
     """config.json only: hidden 128, 4 experts of 128, top-2, 128 x 128 FP8 blocks (tune-* need no weights)."""
-    from engine.models import lookup
+    from engine.checkpoint.registry import lookup
 
     cfg = lookup("tiny-fp8").config_dict()
     cfg.update(hidden_size=128, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,

@@ -14,17 +14,31 @@ runs: pool.available() + cache.total_size() == pool.size.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
 from engine.forward_batch import to_device
 from engine.memory.pools import KVPool, ReqToTokenPool
 from engine.memory.radix_cache import RadixCache
-from engine.scheduler.request import Request
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 EVICT_FRACTION = 256
+
+
+class Request(Protocol):
+    """What RequestMemory reads and writes of a request (engine/scheduler/request.py `Request` has it)."""
+
+    token_ids: list[int]  # the prompt, then each generated token
+    row: Optional[int]  # its request-table row (None: not reserved)
+    slots: torch.Tensor  # host tensor: the prompt's slots (set at admission and after the prefill)
+    decode_slots: list[int]  # one per decode step, after `slots`
+    kv_len: int  # slots whose KV is computed (or launched)
+    prefix_len: int  # slots that belong to the radix cache, locked through `last_node`
+    last_node: Optional[object]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool: ...
 
 
 class RequestMemory:

@@ -18,7 +18,7 @@ from typing import Optional
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from engine.config import ModelConfig
+from engine.checkpoint.config import ModelConfig
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

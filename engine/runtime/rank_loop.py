@@ -1,7 +1,7 @@
 """An engine rank process: owns one Engine (scheduler + model shard) and runs the forward loop.
 
 The serving process (or an offline `RankedEngine`) starts one such process per GPU rank
-through `engine.distributed.launch.start_ranks`; TP rank 0 holds two pipes. The loop
+through `EngineRanks` (ranks.py); world rank 0 holds two pipes. The loop
 drains incoming messages (add / abort / shutdown), runs `scheduler.step()` while there is
 work, and after each step rank 0 sends the deltas the scheduler's output processor
 gathered (`RequestOutput`: new tokens, log-probs, finishes; the same deltas the offline
@@ -22,8 +22,8 @@ only its group's messages (an abort or a shutdown goes to all). Each iteration t
 whether any group has work (a max all-reduce); if so every rank steps, agreeing before each forward
 on what runs (engine/distributed/dp_attention.py `agree`: groups whose own next forward differs, or
 that have none, run idle ones), and then joins the others' remaining forwards until none is left
-(`ModelRunner.finish_dp_iteration`), so the ranks' collectives always pair up, whatever mix of
-prefill, decode and speculative steps the groups run.
+(engine/distributed/dp_sync.py `DPSync.finish_iteration`), so the ranks' collectives always pair
+up, whatever mix of prefill, decode and speculative steps the groups run.
 Then rank 0 gathers every group's deltas and stats and sends them as one StepOutputs.
 """
 
@@ -39,8 +39,12 @@ from multiprocessing.connection import Connection
 from typing import Optional
 
 from engine.args import EngineArgs
+from engine.distributed.comm import all_gather_ints, all_reduce_max_int, broadcast_object, gather_objects
+from engine.engine import Engine
 from engine.errors import DsctlError
-from engine.server import protocol
+from engine.runtime import protocol
+from engine.runtime.dp_controller import DPController
+from engine.sampling import SamplingParams
 
 log = logging.getLogger("dsctl.engine")
 
@@ -73,8 +77,6 @@ class EngineLoop:
         self._deferred: list = []  # DP attention: messages for the serving process, sent through rank 0
         self.controller = None
         if self.dp and self.tp.is_first:
-            from engine.server.dp_controller import DPController
-
             self.controller = DPController(self.tp.dp_size, engine.args.parallel.load_balance_method)
 
     def _send(self, msg) -> None:
@@ -120,8 +122,6 @@ class EngineLoop:
 
     def _send_dp_outputs(self, outputs, stats) -> None:
         """DP attention (a collective): rank 0 gathers each group leader's deltas, stats and messages."""
-        from engine.distributed.comm import gather_objects
-
         mine = (outputs, stats, self._deferred) if self.tp.attention.is_first else None
         self._deferred = []
         every = gather_objects(mine, self.tp)
@@ -155,8 +155,6 @@ class EngineLoop:
 
     def _run_mirrored(self, inbox: Optional[Connection]) -> None:
         """The TP loop: rank 0's messages reach every rank in the same order before the same step."""
-        from engine.distributed.comm import broadcast_object
-
         while True:
             busy = self.engine.scheduler.has_work()
             msgs = self._drain(inbox, busy) if self.tp.is_first else None
@@ -170,8 +168,6 @@ class EngineLoop:
 
     def _run_dp(self, inbox: Optional[Connection]) -> None:
         """The DP-attention loop: rank 0 routes each message to a DP group; all groups step together."""
-        from engine.distributed.comm import all_reduce_max_int, broadcast_object
-
         runner, busy = self.engine.runner, False
         while True:
             routed = None
@@ -184,7 +180,7 @@ class EngineLoop:
             busy = bool(all_reduce_max_int(int(self.engine.scheduler.has_work()), self.tp))
             if busy:
                 self.step()
-                runner.finish_dp_iteration()
+                runner.dp.finish_iteration()
             if busy or routed:
                 self.send_outputs()
 
@@ -202,8 +198,6 @@ class EngineLoop:
 
 def _warm_up(engine) -> None:
     """One short generation before reporting ready, so the first real request does not pay for lazy init."""
-    from engine.sampling import SamplingParams
-
     vocab = engine.config.vocab_size
     engine.generate(input_ids=[[i % vocab for i in range(1, 9)]],
                     sampling_params=SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
@@ -211,8 +205,6 @@ def _warm_up(engine) -> None:
 
 def _dp_pools(runner) -> tuple[int, ...]:
     """DP attention: every DP group's KV pool size (a collective; logged by rank 0); () without DP."""
-    from engine.distributed.comm import all_gather_ints
-
     tp = runner.parallel.tp
     if tp.dp_size == 1:
         return ()
@@ -227,7 +219,7 @@ def _dp_pools(runner) -> tuple[int, ...]:
 
 def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], outbox: Optional[Connection],
                 make_engine=None) -> None:
-    """Entry point of one spawned engine rank (`start_ranks` target). The pipes are used by world rank 0
+    """Entry point of one spawned engine rank (an `EngineRanks` target). The pipes are used by world rank 0
     only (other ranks, and every rank on nodes other than 0, get None or close theirs). `make_engine(args,
     local_rank)` builds the Engine (default: `Engine`; tests wrap it)."""
     # Ctrl-C and a SIGTERM sent to the whole process group are for the serving process to handle:
@@ -245,8 +237,6 @@ def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], 
                         format=f"%(asctime)s engine{'' if pc.world_size == 1 else f' rank {rank}'} %(levelname)s "
                                "%(message)s")
     try:
-        from engine.engine import Engine
-
         engine = (make_engine or Engine)(args, local_rank=local_rank)
         _warm_up(engine)
     except BaseException as exc:  # noqa: BLE001 - report any startup failure to the server

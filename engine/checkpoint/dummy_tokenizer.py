@@ -1,6 +1,6 @@
 """A generated tokenizer for a model that has no tokenizer files (dummy weights of a registry model).
 
-Built by engine/weights/tiny_tokenizer.py (the same builder as the built-in tiny
+Built by engine/checkpoint/tiny_tokenizer.py (the same builder as the built-in tiny
 models' tokenizer) at the model's vocabulary size, with the BOS/EOS ids of its
 config and a DeepSeek-style chat template, so a dummy server accepts text
 prompts and chat messages. Kept on disk under <cache root>/tokenizers/, named by
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.cache import build_once, cache_root
-from engine.config import ModelConfig
+from engine.checkpoint.cache import build_once, cache_root
+from engine.checkpoint.config import ModelConfig
+from engine.checkpoint.tiny_tokenizer import write_tokenizer
 
 FORMAT_VERSION = 1  # bump when the builder's output changes
 
@@ -25,6 +26,4 @@ def cache_name(cfg: ModelConfig) -> str:
 
 def generated_tokenizer_dir(cfg: ModelConfig) -> Path:
     """The directory holding cfg's generated tokenizer (tokenizer.json + tokenizer_config.json), built on first use."""
-    from engine.weights.tiny_tokenizer import write_tokenizer
-
     return build_once(cache_root() / "tokenizers" / cache_name(cfg), lambda tmp: write_tokenizer(tmp, cfg, pad=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
@@ -13,10 +14,8 @@ class Tokenizer:
     """Thin wrapper over a transformers fast tokenizer: encode, decode, chat template, EOS ids."""
 
     def __init__(self, path: Path):
-        import os
-
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: transformers (seconds) loads only to load a tokenizer
 
         try:
             self.hf = AutoTokenizer.from_pretrained(str(path))

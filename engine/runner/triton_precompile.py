@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import hashlib
 import importlib
+import json
 import logging
 import multiprocessing
 import os
@@ -34,6 +35,11 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
+
+import triton
+from triton import knobs
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +73,6 @@ def fresh_process(packages: tuple[str, ...] = ("kernels",)) -> bool:
     """True while no Triton kernel of `packages` has been compiled in this process. The recording pass is
     only safe then (module docstring): a second engine in one process, or one built after kernels ran
     directly (tests, benchmarks), compiles in-process as without precompile."""
-    import sys
-
-    from triton.runtime.jit import JITFunction
-
     for name, module in list(sys.modules.items()):
         if module is None or not any(name == p or name.startswith(p + ".") for p in packages):
             continue
@@ -84,9 +86,6 @@ def fresh_process(packages: tuple[str, ...] = ("kernels",)) -> bool:
 
 def record(forwards: Iterable[Callable[[], object]]) -> list[Specialisation]:
     """Run each forward with uncompiled Triton kernels recorded instead of compiled (and not launched)."""
-    import triton
-    from triton import knobs
-
     found: dict[Specialisation, None] = {}
     markers = os.path.join(knobs.cache.dir, "dsctl-precompiled")
 
@@ -202,9 +201,6 @@ def uncached(specs: list[Specialisation]) -> list[Specialisation]:
 def compile_one(module: str, name: str, data: str, marker: str) -> None:
     """In a worker: compile one specialisation of `module.name` (a Triton JIT function, possibly wrapped)
     and its launcher into Triton's cache, then leave `marker`."""
-    from triton.runtime import driver
-    from triton.runtime.jit import JITFunction
-
     fn = importlib.import_module(module)
     for part in name.split("."):
         fn = getattr(fn, part)
@@ -260,8 +256,6 @@ class LateCompileLog:
         self._started: dict[int, float] = {}
 
     def install(self) -> None:
-        from triton import knobs
-
         knobs.runtime.jit_cache_hook = self._before
         knobs.runtime.jit_post_compile_hook = self._after
 
@@ -284,8 +278,6 @@ def describe_specialisation(data: str) -> str:
     """Triton's serialised specialisation (JSON) in one line: the integer / pointer arguments it treats as
     divisible by 16 (what tells two launches of one kernel apart, besides the constexprs), then the
     constexprs. Empty when `data` cannot be read."""
-    import json
-
     try:
         spec = json.loads(data)
         names = list(spec["signature"])

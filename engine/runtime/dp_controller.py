@@ -1,6 +1,6 @@
 """The DP-attention controller: which DP group runs each new request, and the job-wide view of them.
 
-Every message from the serving process reaches world rank 0 (engine/server/engine_process.py),
+Every message from the serving process reaches world rank 0 (engine/runtime/rank_loop.py),
 which is where this controller lives: before rank 0 broadcasts a step's messages, `route` tags
 each one with its target DP group (None: every group, e.g. an abort or a shutdown). Policies
 (--load-balance-method):
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
+from engine.runtime import protocol
 from engine.scheduler.step_times import merge
-from engine.server import protocol
 
 
 class DPController:

@@ -1,12 +1,17 @@
 """ModelRunner: builds the model on its device, loads weights, owns the KV memory and runs forwards.
 
-This is the only place that launches model forwards. It picks the device and
-dtype, decides whether FP8 weights stay FP8 (CUDA W8A8) or are dequantised,
-resolves the attention and MoE backends by name (engine/model/backends.py: 'auto',
-start-up checks, factories), sizes the KV pool and request table, and builds the
-`ForwardContext` every forward passes down the layers. It registers the tuned
+It picks the device and dtype, decides whether FP8 weights stay FP8 (CUDA W8A8) or are dequantised,
+resolves every op's kernel by name (engine/model/kernel_registry.py: 'auto',
+start-up checks, factories) and builds the model with them, sizes the KV pool and request
+table, and builds the `ForwardContext` every forward passes down the layers. It registers the tuned
 kernel-config directory (--kernel-config-dir, default $DSCTL_KERNEL_CONFIG_DIR) with
 kernels/tuned_configs.py.
+
+Forwards run through `run_forward`: a captured CUDA graph when one holds the batch, else eagerly;
+under DP attention each is first agreed with the other groups (engine/distributed/dp_sync.py, which
+runs this runner's idle forwards). The speculative draft's forwards (engine/speculative/) run on this
+runner's KV pool and context: the runner takes a `draft` factory and captures the draft's graphs
+after its own.
 """
 
 from __future__ import annotations
@@ -15,22 +20,40 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 
 from engine.args import EngineArgs
+from engine.checkpoint.resolve import ResolvedModel, resolve_model
 from engine.distributed.comm import all_reduce_min_int, broadcast_tensor
-from engine.distributed.dp_attention import MTP, TARGET
+from engine.distributed.dp_attention import TARGET, DPGather
+from engine.distributed.dp_sync import DPSync, IdleForward
 from engine.distributed.groups import ParallelState, single_process
 from engine.errors import UsageError
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.pools import KVPool, ReqToTokenPool, kv_row_dim
-from engine.model.backends import ATTENTION_BACKENDS, MOE_BACKENDS, BackendSetup
+from engine.model.builder import build_model
 from engine.model.context import ForwardContext
+from engine.model.kernel_registry import (
+    ATTENTION,
+    MOE,
+    KernelChoice,
+    KernelSetup,
+    build_kernels,
+    describe,
+    resolve_kernels,
+)
 from engine.model.rope import RotaryEmbedding
-from engine.resolve import ResolvedModel, resolve_model
-from engine.triton_precompile import LateCompileLog, compile_in_background, default_workers, fresh_process, record
+from engine.runner.cuda_graph import CudaGraphRunner
+from engine.runner.triton_precompile import (
+    LateCompileLog,
+    compile_in_background,
+    default_workers,
+    fresh_process,
+    record,
+)
+from engine.weights.loader import iter_params
 from kernels import tuned_configs
 from kernels.fp8_math import WEIGHT_BLOCK
 from kernels.interpret import interpreting
@@ -48,6 +71,21 @@ class ForwardOutput:
     hidden: torch.Tensor  # [T, hidden] pre-norm hidden states of every token (MTP input)
 
 
+EagerForward = Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor]]  # fb -> (logits, hidden)
+
+
+class Draft(Protocol):
+    """A speculative draft (engine/speculative/draft_runner.py `DraftRunner`), made by the `draft` factory
+    the runner is given, after the model and before the KV pool (which holds a cache layer for it). Its
+    CUDA graphs are captured right after the model's and released with them."""
+
+    layer: torch.nn.Module  # the MTP layer it runs
+
+    def build_graphs(self, batch_sizes: list[int], capture: bool) -> None: ...
+
+    def release(self) -> None: ...
+
+
 @contextmanager
 def _timed(into: dict[str, float], name: str):
     start = time.perf_counter()
@@ -59,7 +97,7 @@ def _raise_recompile_limits() -> None:
     """torch.compile specialises each layer's code per layer index and batch size, and every engine built in
     a process adds its own modules: past dynamo's default recompile limit (8 per code object) it falls
     back to eager mid-graph, which breaks CUDA-graph capture. Allow one compile per layer and size."""
-    import torch._dynamo.config as dynamo_config
+    import torch._dynamo.config as dynamo_config  # lazy: dynamo loads only for torch.compile, a CUDA path
 
     for name, floor in (("recompile_limit", 1024), ("accumulated_recompile_limit", 8192)):
         if hasattr(dynamo_config, name):
@@ -89,8 +127,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, args: EngineArgs, resolved: Optional[ResolvedModel] = None,
-                 parallel: Optional[ParallelState] = None):
-        """`parallel`: this rank's place in the TP world (default: one process, nothing split)."""
+                 parallel: Optional[ParallelState] = None, draft: Optional[Callable[[ModelRunner], Draft]] = None):
+        """`parallel`: this rank's place in the TP world (default: one process, nothing split); `draft`: makes
+        the speculative draft (engine/speculative/draft_runner.py) once the model is built (None: no draft)."""
         args.validate()
         self.args = args
         tuned_configs.set_user_config_dir(args.kernels.config_dir())
@@ -98,22 +137,25 @@ class ModelRunner:
         cfg = self.resolved.config
         self.device = pick_device(args.model.device) if parallel is None else parallel.device
         self.parallel = parallel or single_process(self.device)
+        self.dp = self._dp_sync()
         self.dtype = pick_dtype(args.model.dtype, self.device)
         self.num_layers = args.model.num_layers or cfg.num_hidden_layers
         self.max_running_requests = args.scheduler.max_running_requests
         self.config = cfg.with_num_layers(self.num_layers)
         self.fp8_block = self._fp8_block()
         self.max_model_len = min(args.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.setup = BackendSetup(self.config, self.device, self.dtype, self._kv_dtype(),
-                                  tuple(self._graph_batch_sizes()), interpreting(),
-                                  tp_size=self.parallel.tp.attention.size, expanded_kv=args.kernels.disable_mla)
-        self.attention_backend, self.moe_backend = self._pick_backends()
+        self.setup = KernelSetup(self.config, self.device, self.dtype, self._kv_dtype(),
+                                 tuple(self._graph_batch_sizes()), interpreting(),
+                                 tp_size=self.parallel.tp.attention.size, expanded_kv=args.kernels.disable_mla,
+                                 fp8_block=self.fp8_block)
+        self.kernel_choice = self._pick_backends()
+        self.kernels = build_kernels(self.kernel_choice, self.setup)
         phases = {}
         with _timed(phases, "weights"):
-            self._build_model()
+            self._build_model(draft)
         with _timed(phases, "KV pool"):
             self._init_memory()
-        self.graphs = self.mtp_graphs = self.prefill_compiles = None
+        self.graphs = self.prefill_compiles = None
         self.compile_workers = workers = self._triton_compile_workers() if self.device.type == "cuda" else 0
         if workers and not fresh_process():
             log.info("Triton kernels already compiled in this process: no parallel precompile")
@@ -134,8 +176,6 @@ class ModelRunner:
 
     def _report(self, phases: dict[str, float]) -> None:
         """One start-up line per rank: its weight and KV bytes, KV tokens, and how long each phase took."""
-        from engine.weights.loader import iter_params
-
         modules = {"": self.model, **({"mtp.": self.mtp} if self.mtp is not None else {})}
         unique = {p.data_ptr(): p for _, p in iter_params(modules)}  # the MTP layer may share embed / head
         weights = sum(p.numel() * p.element_size() for p in unique.values())
@@ -144,10 +184,12 @@ class ModelRunner:
                  weights / 1e9, self.kv_pool.size, kv / 1e9,
                  ", ".join(f"{name} {secs:.1f} s" for name, secs in phases.items()))
 
-    def _pick_backends(self) -> tuple[str, str]:
-        """Backend names ('auto' resolved) after their start-up checks, which reject what cannot run here."""
-        return (ATTENTION_BACKENDS.resolve(self.args.kernels.attention, self.setup),
-                MOE_BACKENDS.resolve(self.args.kernels.moe_backend, self.setup))
+    def _pick_backends(self) -> KernelChoice:
+        """Each op's kernel (engine/model/kernel_registry.py: 'auto' resolved) after its start-up check, which
+        rejects what cannot run here; logged once per rank."""
+        choice = resolve_kernels(self.args.kernels.requested_kernels(), self.setup)
+        log.info("rank %d kernels: %s", self.parallel.world_rank, describe(choice, self.setup))
+        return choice
 
     def _kv_dtype(self) -> torch.dtype:
         """The KV cache dtype (--kv-cache-dtype; FP8 caches need CUDA)."""
@@ -183,18 +225,25 @@ class ModelRunner:
             return (cfg.fp8.block_n, cfg.fp8.block_k)
         return WEIGHT_BLOCK if q == "fp8" else None
 
-    def _build_model(self) -> None:
-        """This rank's model and MTP layer (engine/model/builder.py), sharded over the TP group."""
-        from engine.model.builder import build_model
-
+    def _build_model(self, draft: Optional[Callable[[ModelRunner], Draft]]) -> None:
+        """This rank's model and MTP layer (engine/model/builder.py), sharded over the TP group; with `draft`,
+        the draft's MTP layer (the checkpoint's own or another's) is the one kept."""
         r = self.resolved
         self.model, self.mtp = build_model(r.config, self.num_layers, self.dtype, self.device, self.fp8_block,
                                            self.parallel.tp, checkpoint=None if r.dummy else r.path,
-                                           seed=self.args.model.seed)
-        if self.args.speculative.enabled:
-            from engine.speculative.draft_model import attach_draft
+                                           seed=self.args.model.seed, kernels=self.kernels)
+        self.draft = draft(self) if draft is not None else None
+        if self.draft is not None:
+            self.mtp = self.draft.layer
 
-            self.mtp = attach_draft(self, self.mtp)
+    def _dp_sync(self) -> Optional[DPSync]:
+        """DP attention's per-forward agreement with the other groups (engine/distributed/dp_sync.py), or
+        None without DP attention."""
+        if self.parallel.tp.dp_size == 1:
+            return None
+        dp = DPSync(self.parallel.tp, self._set_gather)
+        dp.add_idle(TARGET, IdleForward(self._idle_forward, self._replay_padding))
+        return dp
 
     @property
     def kv_row_dim(self) -> int:
@@ -211,8 +260,8 @@ class ModelRunner:
         size = all_reduce_min_int(size, self.parallel.tp.attention)
         self.kv_pool = KVPool(cache_layers, size, self.kv_row_dim, kv_dtype, self.device)
         rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, self.max_model_len + 1, self.device)
-        attention = ATTENTION_BACKENDS.build(self.attention_backend, self.setup, self.kv_pool, self.req_to_token)
-        moe = MOE_BACKENDS.build(self.moe_backend, self.setup)
+        attention = ATTENTION.build(self.kernel_choice.attention, self.setup, self.kv_pool, self.req_to_token)
+        moe = MOE.build(self.kernel_choice.moe, self.setup)
         self.forward_ctx = ForwardContext(self.kv_pool, self.req_to_token, rotary, attention, moe,
                                           expanded_kv=self.setup.expanded_kv)
 
@@ -232,29 +281,36 @@ class ModelRunner:
 
     def build_graph_runner(self, batch_sizes: list[int], capture: bool = True) -> None:
         """Decode at `batch_sizes` through padded static batches: CUDA graphs (torch.compile'd below
-        --torch-compile-max-bs when enabled); capture=False runs them eagerly (CPU tests)."""
-        from engine.cuda_graph import CudaGraphRunner
-
-        spec = self.args.speculative.enabled
-        compiled = compiled_mtp = None
-        if capture and self.args.kernels.enable_torch_compile:
+        --torch-compile-max-bs when enabled) of the model, then of the draft; capture=False runs them
+        eagerly (CPU tests)."""
+        if self._compiles(capture):
+            # lazy: inductor (and Triton under it) loads only for torch.compile, a CUDA path
             import torch._inductor.config as inductor_config
 
             # Round intermediates to bf16 where eager does, so compiled decode matches eager greedy output.
             inductor_config.emulate_precision_casts = True
             _raise_recompile_limits()
-            compiled = torch.compile(self._forward_eager, dynamic=False)
-            compiled_mtp = torch.compile(self._forward_mtp_eager, dynamic=False) if spec else None
-        if spec:  # tree forwards run through the graphs with their KV lists in scratch rows
+        if self.draft is not None:  # tree forwards run through the graphs with their KV lists in scratch rows
             self.req_to_token.reserve_scratch(max(batch_sizes))
-        common = dict(batch_sizes=batch_sizes, padding_row=self.req_to_token.padding_row, device=self.device,
-                      compile_max_bs=self.args.kernels.torch_compile_max_bs, prepare=self._prepare_graph,
-                      capture=capture, compile_workers=self.compile_workers if capture else 0)
         with torch.inference_mode():
-            self.graphs = CudaGraphRunner(self._forward_eager, compiled_forward=compiled, **common)
-            if spec:
-                self.mtp_graphs = CudaGraphRunner(self._forward_mtp_eager, compiled_forward=compiled_mtp,
-                                                  spec_hidden=(self.config.hidden_size, self.dtype), **common)
+            self.graphs = self.graph_runner(self._forward_eager, batch_sizes, capture)
+            if self.dp is not None:
+                self.dp.graph_sizes = self.graphs.sizes
+            if self.draft is not None:
+                self.draft.build_graphs(batch_sizes, capture)
+
+    def graph_runner(self, forward: EagerForward, batch_sizes: list[int], capture: bool,
+                     spec_hidden: Optional[tuple[int, torch.dtype]] = None) -> CudaGraphRunner:
+        """CUDA graphs of `forward` (the model's or the draft's) at `batch_sizes`, over this runner's request
+        table and forward context; spec_hidden: (width, dtype) of an MTP layer's hidden-state input."""
+        compiled = torch.compile(forward, dynamic=False) if self._compiles(capture) else None
+        return CudaGraphRunner(forward, batch_sizes, self.req_to_token.padding_row, self.device,
+                               compiled_forward=compiled, compile_max_bs=self.args.kernels.torch_compile_max_bs,
+                               prepare=self._prepare_graph, capture=capture, spec_hidden=spec_hidden,
+                               compile_workers=self.compile_workers if capture else 0)
+
+    def _compiles(self, capture: bool) -> bool:
+        return capture and self.args.kernels.enable_torch_compile
 
     def _triton_compile_workers(self) -> int:
         """--triton-compile-workers, default: this rank's share of the CPUs (ranks of a node share them)."""
@@ -264,7 +320,7 @@ class ModelRunner:
         return default_workers(min(self.parallel.world_size, max(1, torch.cuda.device_count())))
 
     def _record_prefill(self) -> list:
-        """The Triton kernels (engine/triton_precompile.py `record`) of prefill steps of the token counts
+        """The Triton kernels (engine/runner/triton_precompile.py `record`) of prefill steps of the token counts
         that a kernel config or specialisation tells apart: one request of n scratch tokens each, compiled
         after the capture in the background. DP attention is left out: its eager forwards are agreed
         between the groups."""
@@ -288,10 +344,13 @@ class ModelRunner:
         the process group goes: `CudaGraphRunner.release`). The runner cannot forward after this."""
         if self.prefill_compiles is not None:
             self.prefill_compiles.cancel()
-        for graphs in (self.graphs, self.mtp_graphs):
-            if graphs is not None:
-                graphs.release()
-        self.graphs = self.mtp_graphs = None
+        if self.graphs is not None:
+            self.graphs.release()
+        if self.draft is not None:
+            self.draft.release()
+        self.graphs = None
+        if self.dp is not None:
+            self.dp.graph_sizes = ()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -300,83 +359,44 @@ class ModelRunner:
         hidden = self.model.hidden_states(fb, self.forward_ctx)
         return self.model.logits(hidden[fb.logits_indices]), hidden
 
-    def _forward_mtp_eager(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.mtp(fb, self.forward_ctx)
-        return self.mtp.logits(hidden[fb.logits_indices]), hidden
-
     def _prepare_graph(self, fb: ForwardBatch, bs: int) -> None:
-        """Before a CUDA graph's capture or replay (fb: its padded static batch of size bs): the backends'
-        host planning and, under DP attention, the gathers every group records at that same padded size
-        (`uniform`), so that they are fixed shapes."""
-        if self.dp_attention:
-            from engine.distributed.dp_attention import uniform
-
-            self.forward_ctx.dp = uniform(self.parallel.tp, bs)
+        """Before a CUDA graph's capture or replay (fb: its padded static batch of size bs): under DP attention
+        the gather every group records at that padded size, then the backends' host planning."""
+        if self.dp is not None:
+            self.dp.prepare_graph(bs)
         self.forward_ctx.begin_forward(fb, bs)
 
     @property
     def dp_attention(self) -> bool:
-        return self.parallel.tp.dp_size > 1
+        return self.dp is not None
 
-    def _agree_dp(self, kind: int, tokens: int, graphable: bool = False) -> Optional[int]:
-        """DP attention (a no-op otherwise): before this rank's own forward of `kind` (dp_attention.MTP or
-        TARGET), run the idle forwards of other kinds that other groups run first, until every group agrees
-        on this kind; sets this forward's gather and returns the padded size whose CUDA graph every group
-        replays, or None for an eager forward."""
-        if not self.dp_attention:
-            return None
-        while True:
-            agreed = self._agreement(kind, tokens, graphable)
-            if agreed.kind == kind:
-                return agreed.graph_bs
-            self._idle_forward(agreed)
+    def _set_gather(self, gather: DPGather) -> None:
+        self.forward_ctx.dp = gather
 
-    def _agreement(self, kind: int, tokens: int, graphable: bool):
-        from engine.distributed.dp_attention import agree
-
-        sizes = self.graphs.sizes if self.graphs is not None else ()
-        agreed = agree(kind, tokens, self.parallel.tp, sizes, graphable)
-        self.forward_ctx.dp = agreed.gather
-        return agreed
-
-    @torch.inference_mode()
-    def finish_dp_iteration(self) -> None:
-        """DP attention, after this rank's step: join the forwards other groups still run (idle, with no
-        tokens of its own) until every rank has none left, so that each iteration's collectives pair up."""
-        from engine.distributed.dp_attention import DONE
-
-        while (agreed := self._agreement(DONE, 0, True)).kind != DONE:
-            self._idle_forward(agreed)
-
-    @torch.inference_mode()
-    def _idle_forward(self, agreed) -> None:
-        """Every layer's gather / MLP / scatter with no tokens of this group's (attention is skipped), for a
-        forward of the agreed kind that other groups run: the agreed CUDA graph on padding rows, or eagerly."""
-        from engine.distributed.dp_attention import MTP
-
-        if agreed.graph_bs is not None:
-            (self.mtp_graphs if agreed.kind == MTP else self.graphs).replay_padding(agreed.graph_bs)
-            return
-        if agreed.gather.total == 0:
-            return
+    def idle_batch(self) -> ForwardBatch:
+        """A batch of no tokens: a DP-attention group's share of a forward other groups run."""
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        fb = ForwardBatch.build(ForwardMode.IDLE, [], [], [], [], empty, [], self.device)
-        if agreed.kind == MTP:
-            fb.spec_hidden = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
-            self.mtp(fb, self.forward_ctx)
-        else:
-            self.model.hidden_states(fb, self.forward_ctx)
+        return ForwardBatch.build(ForwardMode.IDLE, [], [], [], [], empty, [], self.device)
+
+    def _idle_forward(self) -> None:
+        """Every layer's gather / MLP / scatter with no tokens of this group's (attention is skipped)."""
+        self.model.hidden_states(self.idle_batch(), self.forward_ctx)
+
+    def _replay_padding(self, bs: int) -> None:
+        self.graphs.replay_padding(bs)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
-        return self._run(TARGET, fb, self.graphs, self._forward_eager)
+        return self.run_forward(TARGET, fb, self.graphs, self._forward_eager)
 
-    def _run(self, kind: int, fb: ForwardBatch, graphs, eager) -> ForwardOutput:
-        """One forward of `kind` (the model or the MTP layer): the CUDA graph when one holds fb (under DP
-        attention: when every group's does, at the agreed size), else eagerly."""
+    def run_forward(self, kind: int, fb: ForwardBatch, graphs: Optional[CudaGraphRunner],
+                    eager: EagerForward) -> ForwardOutput:
+        """One forward of `kind` (dp_attention.TARGET: the model; MTP: the draft, engine/speculative/): the CUDA
+        graph when one holds fb (under DP attention: when every group's does, at the agreed size), else
+        eagerly."""
         graphable = graphs is not None and graphs.can_run(fb)
-        graph_bs = self._agree_dp(kind, fb.num_tokens, graphable)
-        if graph_bs is not None or (graphable and not self.dp_attention):
+        graph_bs = self.dp.before_forward(kind, fb.num_tokens, graphable) if self.dp is not None else None
+        if graph_bs is not None or (graphable and self.dp is None):
             logits, hidden = graphs.replay(fb, graph_bs)
         else:
             self.forward_ctx.begin_forward(fb)
@@ -387,31 +407,3 @@ class ModelRunner:
         """Make every rank of the TP (DP attention: attention) group hold its rank 0's sampled token ids
         (in place; nothing to do in one process)."""
         return broadcast_tensor(tokens, 0, self.parallel.tp.attention)
-
-    @torch.inference_mode()
-    def forward_tree(self, fb: ForwardBatch, table, mtp: bool = False) -> ForwardOutput:
-        """Speculative decoding: a decode-mode forward of the model (or, with `mtp`, the MTP layer) whose row i
-        attends to the KV slots of row i of `table` (engine/speculative/tree_table.py: one KV index list
-        per tree node). The lists go to the request table's scratch rows, so the decode CUDA graphs run
-        it; when they do not fit there, it runs eagerly with `table` in place of the request table."""
-        from dataclasses import replace
-
-        rows = self.req_to_token.write_scratch(table.table)
-        if rows is not None:
-            fb = replace(fb, req_pool_indices=rows, req_rows_cpu=None)  # the host copy would be stale
-            return self.forward_mtp(fb) if mtp else self.forward(fb)
-        self._agree_dp(MTP if mtp else TARGET, fb.num_tokens)
-        ctx = replace(self.forward_ctx, req_to_token=table)
-        ctx.begin_forward(fb)
-        if mtp:
-            hidden = self.mtp(fb, ctx)
-            return ForwardOutput(logits=self.mtp.logits(hidden[fb.logits_indices]), hidden=hidden)
-        hidden = self.model.hidden_states(fb, ctx)
-        return ForwardOutput(logits=self.model.logits(hidden[fb.logits_indices]), hidden=hidden)
-
-    @torch.inference_mode()
-    def forward_mtp(self, fb: ForwardBatch) -> ForwardOutput:
-        """The MTP layer: a draft-KV extend (eager) or a decode-mode batch (its CUDA graph when one holds it)."""
-        if self.mtp is None:
-            raise UsageError("this checkpoint has no MTP/NextN layer (num_nextn_predict_layers = 0)")
-        return self._run(MTP, fb, self.mtp_graphs, self._forward_mtp_eager)

@@ -1,13 +1,12 @@
-"""EngineClient: the serving process's handle on the engine's rank processes.
+"""EngineClient: the serving process's handle on the engine's rank processes (async, for the HTTP server).
 
-Starts this node's engine ranks (`engine.distributed.launch.start_ranks`: one spawned
-process per GPU rank, one in all for --tp 1) with one pipe each way to rank 0. A
-sender thread writes requests to it so the event loop never blocks on a full pipe; a
-reader thread receives its messages and hands them to the event loop, which routes each
-request's outputs to the asyncio queue of the HTTP request that owns it. A watcher
-thread owns the rank supervisor: if any rank dies (killed, OOM, exception), the others
-are stopped, every in-flight request gets an `EngineDead` item at once naming the rank
-and its error, and `healthy` turns False.
+Starts this node's engine ranks (`EngineRanks.start_engine`: one spawned process per GPU
+rank, one in all for --tp 1, with one pipe each way to rank 0). A sender thread writes
+requests to rank 0 so the event loop never blocks on a full pipe; a reader thread receives
+its messages (`EngineRanks.receive`) and hands them to the event loop, which routes each
+request's outputs to the asyncio queue of the HTTP request that owns it. If any rank dies
+(killed, OOM, exception), the others are stopped, every in-flight request gets an
+`EngineDead` item at once naming the rank and its error, and `healthy` turns False.
 """
 
 from __future__ import annotations
@@ -15,25 +14,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing as mp
 import queue
 import threading
 from dataclasses import dataclass
 from typing import Optional
 
 from engine.args import EngineArgs
-from engine.sampling import SamplingParams
-from engine.server.protocol import (
+from engine.runtime.protocol import (
     AbortRequest,
     AddFailed,
     AddRequest,
-    EngineFailed,
     EngineInfo,
     EngineStats,
     RequestOutput,
-    Shutdown,
     StepOutputs,
 )
+from engine.runtime.ranks import EngineRankError, EngineRanks
+from engine.sampling import SamplingParams
 
 log = logging.getLogger("dsctl.server")
 
@@ -61,7 +58,7 @@ class _Route:
 
 class EngineClient:
     def __init__(self, args: EngineArgs, rank_main=None):
-        """`rank_main`: what each rank process runs (default engine_process.engine_main; tests pass a
+        """`rank_main`: what each rank process runs (default rank_loop.engine_main; tests pass a
         picklable wrapper of it)."""
         self.args = args
         self._rank_main = rank_main
@@ -74,32 +71,17 @@ class EngineClient:
         self._ids = itertools.count()
         self._outq: "queue.Queue" = queue.Queue()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._ranks = None  # engine.distributed.launch.RankSupervisor
-        self._watcher: Optional[threading.Thread] = None
+        self._ranks: Optional[EngineRanks] = None
         self.ready: Optional[asyncio.Event] = None  # created in start(), on the running loop
         self.on_dead = None  # optional callback(startup: bool), called when the engine dies
         self._stopping = False
 
     # ---- lifecycle -----------------------------------------------------------
     def start(self) -> None:
-        from engine.distributed.launch import start_ranks, with_local_init_addr
-        from engine.server.engine_process import engine_main
-
         self._loop = asyncio.get_running_loop()
         self.ready = asyncio.Event()
-        ctx = mp.get_context("spawn")
-        to_engine_r, to_engine_w = ctx.Pipe(duplex=False)
-        from_engine_r, from_engine_w = ctx.Pipe(duplex=False)
-        pc = with_local_init_addr(self.args.parallel.config())
-        args = self.args.replace(dist_init_addr=pc.dist_init_addr)
-        self._ranks = start_ranks(self._rank_main or engine_main, pc.ranks_per_node, (args, to_engine_r, from_engine_w),
-                                  first_rank=pc.global_rank(0))
-        to_engine_r.close()
-        from_engine_w.close()
-        self._conn_out, self._conn_in = to_engine_w, from_engine_r
+        self._ranks = EngineRanks.start_engine(self.args, self._rank_main)
         threading.Thread(target=self._send_loop, name="engine-sender", daemon=True).start()
-        self._watcher = threading.Thread(target=self._watch_ranks, name="engine-ranks", daemon=True)
-        self._watcher.start()
         threading.Thread(target=self._recv_loop, name="engine-reader", daemon=True).start()
         log.info("engine started: %d rank process(es), pids %s", len(self._ranks.pids), self._ranks.pids)
 
@@ -124,12 +106,7 @@ class EngineClient:
         if self.info is None:
             self._ranks.stop(grace=1.0)  # still loading the model: nothing to drain
         else:
-            self._outq.put(Shutdown())
-        await asyncio.to_thread(self._watcher.join, timeout)
-        if self._watcher.is_alive():
-            log.warning("engine ranks did not exit within %.0fs of the shutdown request; stopping them", timeout)
-            self._ranks.stop(grace=2.0)
-            await asyncio.to_thread(self._watcher.join, 5)
+            await asyncio.to_thread(self._ranks.shutdown, timeout)
         self._outq.put(None)
         self._fail_all("the server is shutting down")
 
@@ -175,36 +152,18 @@ class EngineClient:
             if msg is None:
                 return
             try:
-                self._conn_out.send(msg)
+                self._ranks.send(msg)
             except (OSError, ValueError):
                 return  # engine gone; the reader reports it
 
     def _recv_loop(self) -> None:
-        msg = None
         while True:
             try:
-                msg = self._conn_in.recv()
-            except (EOFError, OSError):
-                break
-            except Exception as exc:  # noqa: BLE001 - a torn message from a dying process
-                msg = EngineFailed(f"unreadable message from the engine process: {exc}")
-            if isinstance(msg, EngineFailed):
-                break
+                msg = self._ranks.receive()
+            except EngineRankError as exc:
+                self._call(self._died, str(exc))
+                return
             self._call(self._dispatch, msg)
-        # Rank 0 is gone or failing: let the supervisor name the rank that failed first (the root
-        # cause when another rank's death broke rank 0's collectives), else use rank 0's own report.
-        from engine.ranked import failure_reason
-
-        self._watcher.join(10.0)
-        if self._watcher.is_alive():  # rank 0 failed but the others still run: stop them
-            self._ranks.stop(grace=2.0)
-            self._watcher.join(10.0)
-        report = msg.message if isinstance(msg, EngineFailed) else None
-        self._call(self._died, failure_reason(self._ranks.root, report))
-
-    def _watch_ranks(self) -> None:
-        """Own the supervisor: returns when every rank exited cleanly or one failed (the rest stopped)."""
-        self._ranks.wait()
 
     def call_later(self, delay: float, fn) -> bool:
         """Thread-safe (signal handlers too): run fn() on the event loop after delay seconds.
@@ -242,8 +201,6 @@ class EngineClient:
             self.stats = EngineStats(kv_total_tokens=msg.kv_total_tokens, kv_free_tokens=msg.kv_total_tokens)
             self.ready.set()
             log.info("engine ready: context %d tokens, KV pool %d tokens", msg.max_model_len, msg.kv_total_tokens)
-        elif isinstance(msg, EngineFailed):
-            self._died(msg.message)
 
     def _died(self, reason: str) -> None:
         if self.dead_reason is not None:

@@ -2,7 +2,7 @@
 
 The shipped configs (engine/model_configs/<config>.json) let `--load-format dummy
 --model deepseek-v3` build a real-shape model with no download. `tiny`, `tiny-fp8` and
-`tiny-fp8-tp` are built-in synthetic checkpoints (engine/weights/tiny.py). `tiny-py` is built in with
+`tiny-fp8-tp` are built-in synthetic checkpoints (engine/checkpoint/tiny.py). `tiny-py` is built in with
 trained weights shipped in the package (engine/model_weights/tiny-py/, made by scripts/train_tiny.py;
 docs/tiny_model.md): the default model, so a first request returns plausible text.
 """

@@ -1,24 +1,24 @@
 """CUDA graphs for decode: capture one graph per batch size, replay with padded inputs.
 
 All graphs read their inputs from one set of static buffers sized for the largest
-captured batch and share one memory pool (captured largest first). The runner captures the
-model's decode forward, and with speculative decoding a second runner captures the MTP layer's
-(its hidden-state input is one more static buffer); both serve tree forwards, whose rows point
-at the request table's scratch rows (engine/memory/pools.py). A decode batch
-of size b is padded to the smallest captured size >= b: padding rows point at the
+captured batch and share one memory pool (captured largest first). The model runner captures the
+model's decode forward, and with speculative decoding a second CudaGraphRunner captures the MTP
+layer's (engine/speculative/draft_runner.py; its hidden-state input is one more static buffer); both
+serve tree forwards, whose rows point at the request table's scratch rows (engine/memory/pools.py).
+A decode batch of size b is padded to the smallest captured size >= b: padding rows point at the
 request table's padding row (every slot 0, the KV pool's scratch slot) with
 sequence length 1, so they attend to one scratch token and write only scratch.
 With --enable-torch-compile the model's decode forward is compiled before capture
 for batch sizes up to --torch-compile-max-bs.
 With compile_workers > 0 (the runner passes --triton-compile-workers in a fresh process) the Triton
-kernels of every size are first compiled in parallel worker processes (engine/triton_precompile.py).
+kernels of every size are first compiled in parallel worker processes (engine/runner/triton_precompile.py).
 
-`prepare(fb, bs)` (the runner passes `ForwardContext.begin_forward`) runs the
+`prepare(fb, bs)` (the runner's: DP attention's gather, then `ForwardContext.begin_forward`) runs the
 backends' host-side planning outside the graph: before each capture (on the dummy
 batch) and before each replay (on the padded batch, whose host lengths it reads);
 backends whose kernels read lengths from device tensors do nothing there.
 
-Under DP attention (engine/distributed/dp_attention.py) the runner picks one padded size for every
+Under DP attention (engine/distributed/dp_sync.py) the groups agree on one padded size for every
 DP group (`replay(fb, bs)`), and a group with no work replays that size on padding rows alone
 (`replay_padding`). `capture=False` keeps the static buffers and the padding but runs the forward
 eagerly at replay: the CPU tests drive the padded paths (DP attention's included) through it.
@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.runner.triton_precompile import precompile
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class CudaGraphRunner:
         self.batches: dict[int, ForwardBatch] = {}  # the static batch each graph was captured with
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.capture_seconds: dict[int, float] = {}  # per size: warm-up forwards + capture (start-up profile)
-        self.precompiled = None  # engine.triton_precompile.PrecompileReport when compile_workers > 0
+        self.precompiled = None  # engine.runner.triton_precompile.PrecompileReport when compile_workers > 0
         if not capture:  # padded static batches, run eagerly at replay (CPU tests of the padded paths)
             self.batches = {bs: self._batch(bs) for bs in self.sizes}
             return
@@ -104,9 +105,7 @@ class CudaGraphRunner:
 
     def _precompile(self, workers: int):
         """Compile, in parallel, the Triton kernels that the eager forward launches at every size
-        (engine/triton_precompile.py); the capture below then loads them from Triton's cache."""
-        from engine.triton_precompile import precompile
-
+        (engine/runner/triton_precompile.py); the capture below then loads them from Triton's cache."""
         def run(bs: int) -> None:
             fb = self._batch(bs)
             self.prepare(fb, bs)

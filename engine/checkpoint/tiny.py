@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from engine.cache import build_once, cache_root
-from engine.config import ModelConfig, parse_config
-from engine.weights.tiny_tokenizer import write_tokenizer
+from engine.checkpoint.cache import build_once, cache_root
+from engine.checkpoint.config import ModelConfig, parse_config
+from engine.checkpoint.tiny_tokenizer import write_tokenizer
 from kernels.fp8_math import quantize_block_fp8
 
 FORMAT_VERSION = 1

@@ -13,6 +13,8 @@ import struct
 from pathlib import Path
 from typing import Optional
 
+from safetensors import safe_open
+
 from engine.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -63,8 +65,6 @@ def shard_problems(path: Path) -> tuple[list[str], Optional[set[str]]]:
     if size > expected:
         return [f"{name}: {size - expected} unexpected trailing bytes ({size} bytes, header says {expected})"], None
     try:
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="numpy") as f:
             keys = set(f.keys())
     except Exception as exc:  # safetensors raises its own error types

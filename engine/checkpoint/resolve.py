@@ -6,7 +6,7 @@ directory, or a hub repo id already in the local Hugging Face cache. With
 
 The tokenizer comes from the checkpoint when it has tokenizer files; a dummy
 model without them (and the built-in models) gets the byte-level tokenizer dsctl
-generates at the model's vocab size (engine/dummy_tokenizer.py), so text prompts
+generates at the model's vocab size (engine/checkpoint/dummy_tokenizer.py), so text prompts
 and chat work on every registry alias. `tokenizer_source` says which one it is.
 """
 
@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from engine.args import ModelArgs
-from engine.config import ModelConfig, load_config, parse_config
+from engine.checkpoint.check import require_complete_checkpoint
+from engine.checkpoint.config import ModelConfig, load_config, parse_config
+from engine.checkpoint.dummy_tokenizer import generated_tokenizer_dir
+from engine.checkpoint.registry import ModelEntry, lookup
 from engine.errors import CheckpointError, UsageError
-from engine.models import ModelEntry, lookup
 
 log = logging.getLogger("dsctl.resolve")
 TokenizerSource = Literal["checkpoint", "generated"]
@@ -48,8 +50,6 @@ def _tokenizer(entry: Optional[ModelEntry], path: Optional[Path], cfg: ModelConf
     if has_tokenizer(path):
         return path, "checkpoint"
     if dummy:
-        from engine.dummy_tokenizer import generated_tokenizer_dir
-
         try:
             return generated_tokenizer_dir(cfg), "generated"
         except ValueError as exc:  # a config no byte-level tokenizer fits (vocab too small, BOS == EOS)
@@ -77,8 +77,6 @@ def registry_tokenizer(name: str, revision: Optional[str] = None) -> Optional[tu
     path = _cached_snapshot(entry.repo_id, revision)
     if has_tokenizer(path):
         return path, "checkpoint"
-    from engine.dummy_tokenizer import generated_tokenizer_dir
-
     return generated_tokenizer_dir(parse_config(entry.config_dict())), "generated"
 
 
@@ -91,14 +89,15 @@ def builtin_path(entry: ModelEntry) -> Path:
             raise CheckpointError(f"the shipped weights of {entry.alias} are missing from this installation "
                                   f"({shipped}); reinstall dsctl or train them with scripts/train_tiny.py")
         return shipped
-    from engine.weights.tiny import materialize
+    from engine.checkpoint.tiny import materialize  # lazy: torch loads only to generate a built-in checkpoint
 
     return materialize(entry.alias, entry.config_dict())
 
 
 def _cached_snapshot(repo_id: str, revision: Optional[str]) -> Optional[Path]:
+    # lazy: huggingface_hub's HTTP stack (~0.15 s) loads only to look up a hub id
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError  # lazy: as above
 
     try:
         return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
@@ -139,8 +138,6 @@ def resolve_model(args: ModelArgs) -> ResolvedModel:
         if args.num_layers > cfg.num_hidden_layers:
             raise UsageError(f"--num-layers {args.num_layers} exceeds the model's {cfg.num_hidden_layers} layers")
     if not dummy and path is not None:
-        from engine.weights.check import require_complete_checkpoint
-
         require_complete_checkpoint(path)
     tokenizer_path, source = _tokenizer(entry, path, cfg, dummy)
     return ResolvedModel(name=args.model, path=path, config=cfg, dummy=dummy,

@@ -1,0 +1,32 @@
+"""MoE router top-k (router logits [T, E] float32 -> weights [T, k] float32, ids [T, k] int32): the
+implementations the kernel registry (engine/model/kernel_registry.py, op "moe_gate") chooses from:
+the fused Triton gate and its pure-torch reference (kernels/moe_gate.py). Both read the gate method
+and its parameters from the model config and are opaque to torch.compile.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from engine.checkpoint.config import ModelConfig
+from kernels.moe_gate import moe_gate, moe_gate_ref
+
+
+def _options(cfg: ModelConfig, bias: Optional[torch.Tensor]) -> dict:
+    return dict(top_k=cfg.num_experts_per_tok, method=cfg.topk_method, n_group=cfg.n_group,
+                topk_group=cfg.topk_group, correction_bias=bias, norm_topk_prob=cfg.norm_topk_prob,
+                routed_scaling_factor=cfg.routed_scaling_factor, scoring_func=cfg.scoring_func)
+
+
+@torch.compiler.disable
+def triton_gate(logits: torch.Tensor, cfg: ModelConfig,
+                bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return moe_gate(logits, **_options(cfg, bias))
+
+
+@torch.compiler.disable
+def torch_gate(logits: torch.Tensor, cfg: ModelConfig,
+               bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return moe_gate_ref(logits, **_options(cfg, bias))

@@ -1,0 +1,265 @@
+"""The kernel registry: for every op the engine runs, its implementations by name, each with a start-up
+check and a factory, and what 'auto' means for it.
+
+  op          flag                  implementations
+  attention   --attention-backend   torch (reference), triton (kernels/mla_*), flashinfer; with --disable-mla
+                                    (KernelSetup.expanded_kv) torch and triton build the non-absorbed backends
+                                    of engine/model/attention_expanded.py
+  moe         --moe-backend         torch (reference), triton (kernels/fused_moe)
+  gemm        --gemm-backend        block-FP8 linear: cublas (Triton, cuBLASLt where the tuned config says
+                                    CUBLAS), triton (Triton only), torch (dequantised reference)
+  rms_norm    --rms-norm-backend    triton (kernels/rms_norm.py outside torch.compile), torch
+  moe_gate    --moe-gate-backend    triton (kernels/moe_gate.py), torch
+  all_reduce  (no flag)             torch (torch.distributed: NCCL on CUDA, gloo on CPU)
+
+`resolve_kernels` turns the requested names (KernelArgs.requested_kernels) into a `KernelChoice`:
+'auto' is decided by `auto_name`, here only, and every chosen implementation's check raises
+`UsageError` saying why it cannot run in this setup and what to use instead. `build_kernels` makes the
+per-call ops' `Kernels` (engine/model/kernel_set.py) the model's modules are built with; the
+attention and MoE backend objects are built with `OpRegistry.build` once the KV pool exists, for the
+`ForwardContext`. `describe` is the start-up log line's list of what runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable, Optional
+
+import torch
+
+from engine.checkpoint.config import ModelConfig
+from engine.distributed import comm
+from engine.errors import UsageError
+from engine.memory.pools import KVPool, ReqToTokenPool
+from engine.model import fp8_ops, gate_ops, norm_ops
+from engine.model.attention import TorchAttentionBackend
+from engine.model.attention_expanded import TorchExpandedAttention, TritonExpandedAttention
+from engine.model.attention_flashinfer import FlashInferAttentionBackend, check_supported
+from engine.model.attention_triton import TritonAttentionBackend
+from engine.model.kernel_set import Kernels
+from engine.model.moe import TorchMoEBackend, TritonMoEBackend
+from kernels.fp8 import cublas_unavailable_reason
+
+AUTO = "auto"
+TRITON_NEEDS_GPU = ("the Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 for slow CPU checks); "
+                    "use {flag} torch on CPU")
+TORCH_NO_GRAPHS = ("the torch reference backends loop over requests on the host and cannot be "
+                   "captured in CUDA graphs: add --disable-cuda-graph, or use the triton backends")
+
+
+@dataclass(frozen=True)
+class KernelSetup:
+    """Where the kernels will run: what the start-up checks, 'auto' and the factories read."""
+
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype  # activations
+    kv_dtype: torch.dtype  # the KV cache
+    graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes captured in CUDA graphs (empty: eager)
+    interpret: bool = False  # Triton runs its CPU interpreter (kernels/interpret.py)
+    tp_size: int = 1  # tensor-parallel ranks: each rank's attention runs num_attention_heads / tp_size heads
+    expanded_kv: bool = False  # --disable-mla: per-head K/V in the cache, no weight absorption
+    fp8_block: Optional[tuple[int, int]] = None  # the block of weights kept FP8 (None: no FP8 linear runs)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return bool(self.graph_batch_sizes)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def local_heads(self) -> int:
+        """Attention heads of one TP rank (the head count the attention backends see)."""
+        return self.config.num_attention_heads // self.tp_size
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One implementation of an op: its start-up check, its factory and what the log line calls it."""
+
+    name: str
+    check: Callable[[KernelSetup], None]
+    build: Callable[..., object]
+    label: Callable[[KernelSetup], str]
+
+
+class OpRegistry:
+    """The implementations of one op, chosen with --<op>-backend (where the op has that flag)."""
+
+    def __init__(self, op: str):
+        self.op = op
+        self.kernels: dict[str, Kernel] = {}
+
+    @property
+    def flag(self) -> str:
+        return f"--{self.op.replace('_', '-')}-backend"
+
+    def register(self, name: str, check: Callable[[KernelSetup], None], build: Callable[..., object],
+                 label: Optional[Callable[[KernelSetup], str]] = None) -> None:
+        if name == AUTO or name in self.kernels:
+            raise ValueError(f"{self.op} kernel name {name!r} is taken")
+        self.kernels[name] = Kernel(name, check, build, label or (lambda setup: name))
+
+    def choices(self) -> list[str]:
+        return [AUTO, *self.kernels]
+
+    def resolve(self, name: str, setup: KernelSetup) -> str:
+        """The registered implementation `name` stands for in this setup, after its start-up check."""
+        if name == AUTO:
+            name = auto_name(self.op, setup)
+        if name not in self.kernels:
+            raise UsageError(f"{self.flag} {name}: no such backend; choose one of {', '.join(self.choices())}")
+        self.kernels[name].check(setup)
+        return name
+
+    def build(self, name: str, *args) -> object:
+        """The implementation `name` (a resolved name) makes: a backend object or a callable."""
+        return self.kernels[name].build(*args)
+
+    def label(self, name: str, setup: KernelSetup) -> str:
+        return self.kernels[name].label(setup)
+
+
+def auto_name(op: str, setup: KernelSetup) -> str:
+    """What 'auto' means for each op: the Triton kernels on CUDA (the block-FP8 GEMM with cuBLASLt where it
+    is available), the torch reference elsewhere; under the Triton interpreter the FP8 GEMM still runs
+    Triton (the engine's CPU tests run it so); 'torch' for the GEMM of a model without FP8 weights (its
+    linears are F.linear) and for the one all-reduce."""
+    if op == "all_reduce" or (op == "gemm" and setup.fp8_block is None):  # no FP8 weights: F.linear only
+        return "torch"
+    if op == "gemm" and setup.cuda:
+        return "triton" if cublas_unavailable_reason(setup.device) else "cublas"
+    if op == "gemm":
+        return "triton" if setup.interpret else "torch"
+    return "triton" if setup.cuda else "torch"
+
+
+# ---- start-up checks -----------------------------------------------------------------------
+
+def no_check(setup: KernelSetup) -> None:
+    pass
+
+
+def check_torch_graphs(setup: KernelSetup) -> None:
+    if setup.cuda and setup.cuda_graphs:
+        raise UsageError(TORCH_NO_GRAPHS)
+
+
+def check_triton(flag: str) -> Callable[[KernelSetup], None]:
+    def check(setup: KernelSetup) -> None:
+        if not setup.cuda and not setup.interpret:
+            raise UsageError(TRITON_NEEDS_GPU.format(flag=flag))
+    return check
+
+
+def check_flashinfer(setup: KernelSetup) -> None:
+    if setup.expanded_kv:
+        raise UsageError("--disable-mla keeps expanded per-head K/V, which FlashInfer's MLA wrapper cannot read: "
+                         "use --attention-backend triton or torch with it")
+    cfg = setup.config
+    check_supported(setup.device, setup.dtype, setup.kv_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+
+
+def check_cublas(setup: KernelSetup) -> None:
+    why = cublas_unavailable_reason(setup.device)
+    if why:
+        raise UsageError(f"--gemm-backend cublas: {why}; use --gemm-backend triton (or torch)")
+
+
+# ---- attention / MoE factories: backend objects for the ForwardContext -------------------------
+
+def torch_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool):
+    return TorchExpandedAttention() if setup.expanded_kv else TorchAttentionBackend()
+
+
+def triton_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool):
+    cfg = setup.config
+    per_token = setup.local_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    backend = TritonExpandedAttention if setup.expanded_kv else TritonAttentionBackend
+    return backend(per_token * setup.dtype.itemsize)
+
+
+def flashinfer_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool):
+    cfg = setup.config
+    return FlashInferAttentionBackend(
+        setup.local_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, setup.dtype,
+        kv_pool.dtype, kv_pool.scale, setup.device, req_to_token.table.shape[1],
+        max_graph_bs=max(setup.graph_batch_sizes, default=0))
+
+
+def returns(value: object) -> Callable[[KernelSetup], object]:
+    """A factory of a per-call op: the function itself, whatever the setup."""
+    return lambda setup: value
+
+
+def process_group_backend(setup: KernelSetup) -> str:
+    """What torch.distributed runs the collectives with (engine/distributed/groups.py)."""
+    return "nccl" if setup.cuda else "gloo"
+
+
+ATTENTION = OpRegistry("attention")
+ATTENTION.register("torch", check_torch_graphs, torch_attention)
+ATTENTION.register("triton", check_triton("--attention-backend"), triton_attention)
+ATTENTION.register("flashinfer", check_flashinfer, flashinfer_attention)
+
+MOE = OpRegistry("moe")
+MOE.register("torch", check_torch_graphs, lambda setup: TorchMoEBackend())
+MOE.register("triton", check_triton("--moe-backend"), lambda setup: TritonMoEBackend())
+
+GEMM = OpRegistry("gemm")
+GEMM.register("torch", no_check, returns(fp8_ops.torch_linear))
+GEMM.register("triton", check_triton("--gemm-backend"), returns(fp8_ops.triton_linear))
+GEMM.register("cublas", check_cublas, returns(fp8_ops.cublas_linear), label=lambda setup: "triton+cublas")
+
+RMS_NORM = OpRegistry("rms_norm")
+RMS_NORM.register("torch", no_check, returns(norm_ops.torch_rms_norm))
+RMS_NORM.register("triton", check_triton("--rms-norm-backend"), returns(norm_ops.triton_rms_norm))
+
+MOE_GATE = OpRegistry("moe_gate")
+MOE_GATE.register("torch", no_check, returns(gate_ops.torch_gate))
+MOE_GATE.register("triton", check_triton("--moe-gate-backend"), returns(gate_ops.triton_gate))
+
+ALL_REDUCE = OpRegistry("all_reduce")
+ALL_REDUCE.register("torch", no_check, returns(comm.all_reduce), label=process_group_backend)
+
+REGISTRIES: dict[str, OpRegistry] = {r.op: r for r in (ATTENTION, MOE, GEMM, RMS_NORM, MOE_GATE, ALL_REDUCE)}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """One name per op: what was asked for ('auto' allowed), or after `resolve_kernels`, what runs."""
+
+    attention: str = AUTO
+    moe: str = AUTO
+    gemm: str = AUTO
+    rms_norm: str = AUTO
+    moe_gate: str = AUTO
+    all_reduce: str = AUTO
+
+    def names(self) -> dict[str, str]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def resolve_kernels(requested: dict[str, str], setup: KernelSetup) -> KernelChoice:
+    """Each op's implementation ('auto' resolved; ops not in `requested` are 'auto') after its start-up
+    check, which rejects what cannot run here."""
+    asked = KernelChoice(**requested).names()
+    return KernelChoice(**{op: REGISTRIES[op].resolve(name, setup) for op, name in asked.items()})
+
+
+def build_kernels(choice: KernelChoice, setup: KernelSetup) -> Kernels:
+    """The per-call ops' callables of a resolved choice, for the model's modules."""
+    return Kernels(gemm=GEMM.build(choice.gemm, setup), rms_norm=RMS_NORM.build(choice.rms_norm, setup),
+                   moe_gate=MOE_GATE.build(choice.moe_gate, setup), all_reduce=ALL_REDUCE.build(choice.all_reduce, setup))
+
+
+def auto_kernels(setup: KernelSetup) -> Kernels:
+    """The kernels 'auto' gives every per-call op in this setup."""
+    return build_kernels(resolve_kernels({}, setup), setup)
+
+
+def describe(choice: KernelChoice, setup: KernelSetup) -> str:
+    """'attention triton, moe triton, gemm triton+cublas, ...': what runs for each op."""
+    return ", ".join(f"{op} {REGISTRIES[op].label(name, setup)}" for op, name in choice.names().items())

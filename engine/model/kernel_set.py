@@ -1,0 +1,41 @@
+"""Kernels: the implementation each per-call op of the model runs, as resolved callables.
+
+The kernel registry (engine/model/kernel_registry.py) resolves one name per op at start-up
+(flags, 'auto', start-up checks) and `build_kernels` turns the names into a `Kernels`; the model
+builder hands that object to every module at construction (DeepseekForCausalLM -> layers), and each
+module calls its field: Linear `gemm` (block-FP8 weights only), RMSNorm `rms_norm`, MoE `moe_gate`,
+and every layer that reduces over its TP group `all_reduce`. Nothing is looked up per call and no
+module branches on the device.
+
+Modules built on their own (tests, meta-device shape checks) get `REFERENCE`: the torch form of
+every op, which runs anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from engine.checkpoint.config import ModelConfig
+from engine.distributed import comm
+from engine.distributed.groups import TPGroup
+from engine.model import fp8_ops, gate_ops, norm_ops
+
+Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]], torch.Tensor]  # x, w, scale, block
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # x, weight, eps
+Gate = Callable[[torch.Tensor, ModelConfig, Optional[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+AllReduce = Callable[[torch.Tensor, TPGroup], torch.Tensor]  # sum over the group (identity at size 1)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    gemm: Gemm  # block-FP8 linear: y = x @ dequant(w).T
+    rms_norm: Norm
+    moe_gate: Gate  # router logits -> (weights, expert ids)
+    all_reduce: AllReduce
+
+
+REFERENCE = Kernels(gemm=fp8_ops.torch_linear, rms_norm=norm_ops.torch_rms_norm, moe_gate=gate_ops.torch_gate,
+                    all_reduce=comm.all_reduce)
