@@ -89,7 +89,7 @@ def run_offline(args, input_len: Optional[int] = None, output_len: Optional[int]
                 concurrency: Optional[int] = None, repeats: int = 1, progress=None) -> OfflineResult:
     """Build the Engine from `args` and measure (see the module docstring). `progress(text)` reports steps."""
     # lazy: both import torch; keeps dsctl --help fast (cmd_bench reads this module's defaults for its help)
-    from engine.runner.model_runner import pick_device, pick_dtype
+    from engine.runner.device import pick_device, pick_dtype
     from engine.runtime.offline import open_engine  # lazy: imports torch; keeps dsctl --help fast
 
     say = progress or (lambda text: None)

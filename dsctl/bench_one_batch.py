@@ -41,7 +41,8 @@ from dsctl.bench_one_batch_timing import (
 )
 from engine.engine import Engine
 from engine.errors import UsageError
-from engine.runner.model_runner import ModelRunner, pick_device
+from engine.runner.device import pick_device
+from engine.runner.model_runner import ModelRunner
 from engine.runtime.launch_checks import check_launch, launch_args
 from engine.sampling import SamplingParams
 

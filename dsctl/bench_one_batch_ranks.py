@@ -24,7 +24,8 @@ from dsctl.bench_one_batch_timing import add_floors, measure_bandwidth, meta_of,
 from engine.args import EngineArgs
 from engine.distributed.groups import init_parallel
 from engine.errors import UsageError
-from engine.runner.model_runner import ModelRunner, pick_device
+from engine.runner.device import pick_device
+from engine.runner.model_runner import ModelRunner
 from engine.runtime.ranks import EngineRankError, EngineRanks
 
 EXIT_S = 60.0  # how long the ranks get to leave the world once rank 0 sent its figures

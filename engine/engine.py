@@ -24,7 +24,8 @@ from engine.args import EngineArgs
 from engine.checkpoint.tokenizer import load_tokenizer
 from engine.distributed.groups import init_parallel
 from engine.errors import RequestError, UsageError
-from engine.runner.model_runner import ModelRunner, pick_device
+from engine.runner.device import pick_device
+from engine.runner.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.scheduler.output import CollectedOutput
 from engine.scheduler.processor import OutputProcessor

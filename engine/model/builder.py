@@ -34,18 +34,9 @@ from engine.model.kernel_registry import KernelSetup, auto_kernels
 from engine.model.kernel_set import REFERENCE, Kernels
 from engine.model.layers import MLP, solo_group
 from engine.weights.dummy import fill_dummy
-from engine.weights.loader import has_mtp, iter_params, load_checkpoint, weight_map
+from engine.weights.loader import has_mtp_layer, iter_params, load_checkpoint
 from kernels.fp8_math import WEIGHT_BLOCK
 from kernels.interpret import interpreting
-
-
-def has_mtp_layer(config: ModelConfig, checkpoint: Optional[Path]) -> bool:
-    """Whether the MTP layer can be built: the config has one and the checkpoint (if any) ships it."""
-    if not config.num_nextn_predict_layers:
-        return False
-    if checkpoint is None:
-        return True
-    return has_mtp(weight_map(checkpoint), config)
 
 
 def make_modules(config: ModelConfig, num_layers: int, dtype: torch.dtype, fp8_block=None,

@@ -46,6 +46,7 @@ from engine.model.kernel_registry import (
 )
 from engine.model.rope import RotaryEmbedding
 from engine.runner.cuda_graph import CudaGraphRunner
+from engine.runner.device import pick_device, pick_dtype
 from engine.runner.triton_precompile import (
     LateCompileLog,
     compile_in_background,
@@ -60,7 +61,6 @@ from kernels.interpret import interpreting
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 DEFAULT_CPU_KV_TOKENS = 32768
 
@@ -111,18 +111,8 @@ def prefill_token_counts(cap: int) -> list[int]:
     return sorted({m for k in keys for m in (k, k + 1) if m <= cap} | {min(cap, 4097)})
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was given but no CUDA GPU is visible; use --device cpu")
-    return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 class ModelRunner:

@@ -17,8 +17,8 @@ from engine.args import EngineArgs
 from engine.checkpoint.resolve import ResolvedModel, resolve_model
 from engine.distributed.divisibility import check_model_divisible
 from engine.distributed.sizing import Layout, check_fits
-from engine.runner.model_runner import pick_device
-from engine.speculative.draft_model import check_spec_launch
+from engine.runner.device import pick_device
+from engine.speculative.launch_check import check_spec_launch
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ from engine.distributed.parallel_config import ParallelConfig
 from engine.errors import DsctlError
 from engine.runtime.launch import RankFailure, start_ranks, with_local_init_addr
 from engine.runtime.protocol import EngineFailed, Shutdown
-from engine.runtime.rank_loop import engine_main
 
 log = logging.getLogger("dsctl.engine")
 
@@ -65,6 +64,10 @@ class EngineRanks:
     @classmethod
     def start_engine(cls, args: EngineArgs, rank_main: Optional[Callable[..., Any]] = None) -> "EngineRanks":
         """This node's engine ranks (`rank_main`, default `engine_main`); one node alone gets a local rendezvous."""
+        # The serving process that starts the ranks builds no model: it starts seconds sooner without this.
+        # lazy: the rank loop imports the whole engine (model, torch.compile, Triton)
+        from engine.runtime.rank_loop import engine_main
+
         config = with_local_init_addr(args.parallel.config())
         return cls.start(rank_main or engine_main, config, args.replace(dist_init_addr=config.dist_init_addr))
 

@@ -1,4 +1,4 @@
-"""Where the draft comes from, and the start-up checks of speculative decoding.
+"""Where the draft comes from (the start-up checks are in launch_check.py).
 
 The draft is an MTP/NextN layer: by default the target checkpoint's own; with --speculative-draft, the
 MTP layer of a separate checkpoint (any checkpoint directory / alias in HF layout whose config has
@@ -9,43 +9,10 @@ vocabulary. Every mismatch is a one-line UsageError at start-up, before the firs
 
 from __future__ import annotations
 
-from engine.args import EngineArgs, ModelArgs
-from engine.checkpoint.resolve import resolve_model
 from engine.errors import UsageError
-from engine.model.builder import build_model, has_mtp_layer
-
-
-def check_spec_launch(args: EngineArgs, resolved) -> None:
-    """Reject, before any weight is read, speculative decoding this launch cannot run."""
-    spec = args.speculative
-    if not spec.enabled:
-        return
-    if spec.speculative_draft is None:
-        if not has_mtp_layer(resolved.config, None if resolved.dummy else resolved.path):
-            raise UsageError(f"--speculative-algorithm {spec.speculative_algorithm}: {args.model.model} has no "
-                             "MTP/NextN layer; give a draft with --speculative-draft")
-    else:
-        check_draft_config(resolve_draft(args).config, resolved.config)
-
-
-def resolve_draft(args: EngineArgs):
-    return resolve_model(ModelArgs(model=args.speculative.speculative_draft, load_format=args.model.load_format,
-                                   revision=None))
-
-
-def check_draft_config(draft, target) -> None:
-    """The draft's MTP layer must read the target's hidden states and KV layout and share its vocabulary."""
-    if not draft.num_nextn_predict_layers:
-        raise UsageError("--speculative-draft: that checkpoint has no MTP/NextN layer (num_nextn_predict_layers "
-                         "is 0)")
-    if draft.vocab_size != target.vocab_size:
-        raise UsageError(f"--speculative-draft: its vocabulary has {draft.vocab_size} tokens, the target's "
-                         f"{target.vocab_size}; a draft must share the target's tokenizer")
-    for name in ("hidden_size", "kv_lora_rank", "qk_rope_head_dim"):
-        a, b = getattr(draft, name), getattr(target, name)
-        if a != b:
-            raise UsageError(f"--speculative-draft: its {name} is {a}, the target's {b}; the draft's MTP layer "
-                             "reads the target's hidden states and shares its KV pool")
+from engine.model.builder import build_model
+from engine.speculative.launch_check import check_draft_config, resolve_draft
+from engine.weights.loader import has_mtp_layer
 
 
 def attach_draft(runner, own_mtp):

@@ -72,6 +72,15 @@ def has_mtp(names, cfg: ModelConfig) -> bool:
     return cfg.num_nextn_predict_layers > 0 and any(n.startswith(prefix) for n in names)
 
 
+def has_mtp_layer(config: ModelConfig, checkpoint: Optional[Path]) -> bool:
+    """Whether the MTP layer can be built: the config has one and the checkpoint (if any) ships it."""
+    if not config.num_nextn_predict_layers:
+        return False
+    if checkpoint is None:
+        return True
+    return has_mtp(weight_map(checkpoint), config)
+
+
 def _layer_target(prefix: str, rest: str) -> Target:
     m = _EXPERT.match(rest)
     if m:
