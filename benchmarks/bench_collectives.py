@@ -3,8 +3,8 @@
     python3 benchmarks/bench_collectives.py [--tp 2] [--hidden 7168] [--tokens 1,2,4,...,4096]
                                             [--device cuda|cpu] [--result-file F.jsonl]
 
-One process per rank (engine.runtime.ranks.EngineRanks, as every launcher starts ranks, + init_parallel: NCCL on CUDA, gloo on
-CPU, the groups the engine uses), timing the engine's own collectives (engine/distributed/comm.py):
+One process per rank (engine.runtime.ranks.EngineRanks, as every launcher starts ranks, + init_parallel:
+NCCL on CUDA, gloo on CPU, the groups the engine uses), timing the engine's own collectives (engine/distributed/comm.py):
 `all_reduce` of a [T, hidden] bf16 tensor (the o_proj / MLP / MoE sums) and `all_gather_rows` of a
 [T, hidden] tensor per rank (DP attention's gather before every MLP), for each token count T.
 

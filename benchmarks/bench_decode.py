@@ -17,7 +17,8 @@ weight it touches: attention, dense MLP, shared expert, the routed experts the
 batch's tokens select (expected count under uniform routing), gate, embedding rows,
 lm_head; plus the latent KV cache it attends over) at the device-to-device copy
 bandwidth measured in the same run (engine/distributed/step_floor.py, which `dsctl bench one-batch`
-uses too). A per-layer table (eager, CUDA events around each decoder layer) shows where the time goes. Last: an extrapolation to 61 layers.
+uses too). A per-layer table (eager, CUDA events around each decoder layer) shows where the time
+goes. Last: an extrapolation to 61 layers.
 """
 
 from __future__ import annotations

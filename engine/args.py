@@ -172,7 +172,8 @@ class SchedulerArgs:
 
 @dataclass
 class KernelArgs:
-    """Kernel choices per op (attention, MoE, FP8 GEMM, RMSNorm, MoE gate), CUDA graphs, torch.compile and tuned kernel configs."""
+    """Kernel choices per op (attention, MoE, FP8 GEMM, RMSNorm, MoE gate), CUDA graphs, torch.compile and tuned
+    kernel configs."""
 
     attention_backend: str = flag(
         "auto", "MLA attention kernels: 'triton' (CUDA default), 'torch' (reference; CPU default), "

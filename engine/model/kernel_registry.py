@@ -252,7 +252,8 @@ def resolve_kernels(requested: dict[str, str], setup: KernelSetup) -> KernelChoi
 def build_kernels(choice: KernelChoice, setup: KernelSetup) -> Kernels:
     """The per-call ops' callables of a resolved choice, for the model's modules."""
     return Kernels(gemm=GEMM.build(choice.gemm, setup), rms_norm=RMS_NORM.build(choice.rms_norm, setup),
-                   moe_gate=MOE_GATE.build(choice.moe_gate, setup), all_reduce=ALL_REDUCE.build(choice.all_reduce, setup))
+                   moe_gate=MOE_GATE.build(choice.moe_gate, setup),
+                   all_reduce=ALL_REDUCE.build(choice.all_reduce, setup))
 
 
 def auto_kernels(setup: KernelSetup) -> Kernels:
