@@ -35,6 +35,27 @@ def _register() -> None:
     use_help_format(app)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # lazy: only for --version
+
+    try:
+        return version("dsctl")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"dsctl {_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(show_version: bool = typer.Option(False, "--version", help="Print dsctl's version and exit.",
+                                            callback=_print_version, is_eager=True)) -> None:
+    """Download, tune, benchmark and serve DeepSeek-V2/V3/R1."""
+
+
 _register()
 
 

@@ -71,9 +71,29 @@ def _layouts(rows: list[_Row]) -> list:
     return [wide, medium, narrow]
 
 
-def models() -> None:
-    print_fitting(Console(), _layouts(_rows()))
+def _fit_layouts() -> list:
+    from engine.memory.fit import MACHINES, fit_rows  # lazy: the memory plan's modules; keeps dsctl --help fast
+
+    rows = fit_rows()
+    title = "KV tokens per DP group at the default flags (bf16 KV cache; no: does not fit)"
+    wide, narrow = Table(title=title), Table(title=title, show_lines=True)
+    for col in ("models", "weights", "layout"):
+        wide.add_column(col, no_wrap=col != "models")
+    narrow.add_column("models, weights, layout")
+    for table in (wide, narrow):
+        for label, _, _ in MACHINES:
+            table.add_column(label.replace(" 1", "\n1").replace(" 8", "\n8"), no_wrap=True, justify="right")
+    for r in rows:
+        wide.add_row(r.models, r.quant, r.layout, *r.cells)
+        narrow.add_row(f"{r.models}\n{r.quant}, {r.layout}", *r.cells)
+    return [wide, narrow]
+
+
+def models(fit: bool = typer.Option(False, "--fit", help="Show which layouts of each model fit 8 x H100, 8 x H200 "
+                                    "and 4 x H200, with the KV tokens per DP group (the memory plan).")) -> None:
+    print_fitting(Console(), _fit_layouts() if fit else _layouts(_rows()))
 
 
 def register(app: typer.Typer) -> None:
-    app.command("models", help="List the models dsctl knows (aliases, hub ids, shapes).")(models)
+    app.command("models", help="List the models dsctl knows (aliases, hub ids, shapes); --fit: which layouts fit "
+                "which GPUs.")(models)

@@ -2,8 +2,9 @@
 
 The shapes come from the model config and the parallel layout (tuning/shapes.py); each shape
 gets one JSON file named as kernels/tuned_configs.py looks it up, written to --out-dir
-(default: $DSCTL_KERNEL_CONFIG_DIR if set, else the package's kernels/configs/: both are
-directories the look-up searches, so the engine uses the files with no further step).
+(default: $DSCTL_KERNEL_CONFIG_DIR if set, else the per-user config directory,
+~/.config/dsctl/configs on Linux: both are directories the look-up searches, so the engine
+uses the files with no further step; the source tree is never written).
 --model defaults to deepseek-v3 (the model operators tune for) and the first line names the
 model. Without a CUDA GPU both stop at once, unless --dry-run (shows the plan) or
 TRITON_INTERPRET=1 (runs the kernels in Triton's interpreter on CPU: tests only).
@@ -30,8 +31,8 @@ from tuning.errors import NoGpuError, TuneFailed
 
 _BATCH_HELP = ("Comma-separated batch sizes (tokens per forward), e.g. 1,64,4096 (default: SGLang's 1, 2, 4, 8, 16, "
                "24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096).")
-_OUT_HELP = ("Where to write the config files (default: $DSCTL_KERNEL_CONFIG_DIR, else the shipped kernels/configs/; "
-             "both are searched by the engine).")
+_OUT_HELP = ("Where to write the config files (default: $DSCTL_KERNEL_CONFIG_DIR, else the per-user config directory "
+             "~/.config/dsctl/configs; both are searched by the engine before the shipped configs).")
 _VERIFY_HELP = ("Run the exhaustive search (SGLang's full grid) at these batch sizes and compare it with the "
                 "staged search's pick (e.g. 8,256,2048; slow). Alone: only the comparison; with --batch-sizes: "
                 "after tuning those.")
@@ -68,12 +69,12 @@ def _options(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, 
 
 
 def _out_dir(out_dir: Optional[Path]) -> Path:
-    from kernels.tuned_configs import ENV_DIR, SHIPPED_DIR  # lazy: imports torch; keeps dsctl --help fast
+    from kernels.tuned_configs import ENV_DIR, per_user_dir  # lazy: imports torch; keeps dsctl --help fast
 
     if out_dir is not None:
         return out_dir.expanduser()
     env = os.environ.get(ENV_DIR)
-    return Path(env).expanduser() if env else SHIPPED_DIR
+    return Path(env).expanduser() if env else per_user_dir()
 
 
 def _device(opts: "TuneFlags", command: str) -> tuple[Optional[str], str]:
@@ -229,7 +230,8 @@ def tune_moe(
                            help="Expert-parallel size (divides --tp; E = experts / ep: the file the engine's "
                                 "--ep-size = --tp reads is tuned with --ep equal to --tp)."),
     dtype: Optional[str] = typer.Option(None, "--dtype",
-                                        help="Expert weights: fp8_w8a8 or bf16 (default: the checkpoint's)."),
+                                        help="Expert weights: fp8_w8a8, bf16 or w4afp8 (INT4 experts, "
+                                             "--quantization w4afp8) (default: the checkpoint's)."),
 ) -> None:
     device, name = _device(opts, "tune-moe")
     from tuning.shapes import load_model_config, moe_shape  # lazy: imports torch; keeps dsctl --help fast

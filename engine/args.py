@@ -30,6 +30,8 @@ from engine.errors import UsageError
 
 # Environment variable an operator may set instead of --kernel-config-dir (read here, once).
 KERNEL_CONFIG_DIR_ENV = "DSCTL_KERNEL_CONFIG_DIR"
+# Environment variable an operator may set instead of --api-key (not visible in the process list; read here).
+API_KEY_ENV = "DSCTL_API_KEY"
 
 
 def flag(default: Any, help: str, choices: tuple | None = None, aliases: tuple = ()) -> Any:
@@ -83,8 +85,10 @@ class ModelArgs:
     quantization: Optional[str] = flag(
         None,
         "Weight quantisation. Default: whatever the checkpoint ships (FP8 block for V3/R1). "
-        "'none' dequantises an FP8 checkpoint to --dtype.",
-        choices=("none", "fp8"),
+        "'none' dequantises an FP8 checkpoint to --dtype. 'w4afp8': INT4 routed experts (groups of 128 "
+        "along K) with FP8 activations, quantised at load from the FP8 (or bf16) checkpoint, or read from a "
+        "W4AFP8 checkpoint; the other linears stay as the checkpoint ships them.",
+        choices=("none", "fp8", "w4afp8"),
     )
     seed: int = flag(0, "Seed for dummy weights and for sampling when a request gives none.")
     max_model_len: Optional[int] = flag(
@@ -117,6 +121,14 @@ class CacheArgs:
     mem_fraction_static: float = flag(
         0.85, "Fraction of GPU memory for weights + KV cache (the rest: activations, CUDA graphs).",
     )
+    min_kv_tokens: int = flag(
+        4096, "Smallest useful KV pool, in tokens per DP group: start-up (and serve --dry-run) refuses a layout "
+        "whose pool is smaller, naming the flags that would give more (docs/memory_plan.md).",
+    )
+    gpu_memory_gb: Optional[float] = flag(
+        None, "With serve --dry-run: the GPU memory to plan for, in GB (10^9 bytes, a card's total as CUDA "
+        "reports it: 85.0 for an H100 80GB, 150.0 for an H200 141GB). Default: this machine's GPU, its free memory.",
+    )
     disable_radix_cache: bool = flag(
         False, "Turn off the radix prefix cache (prompt prefixes shared between requests, or turns of a "
         "conversation, are then recomputed every time).",
@@ -128,6 +140,10 @@ class CacheArgs:
             raise UsageError(f"--max-total-tokens must be >= 1 (got {self.max_total_tokens})")
         if not 0 < self.mem_fraction_static < 1:
             raise UsageError(f"--mem-fraction-static must be in (0, 1) (got {self.mem_fraction_static})")
+        if self.min_kv_tokens < 1:
+            raise UsageError(f"--min-kv-tokens must be >= 1 (got {self.min_kv_tokens})")
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
+            raise UsageError(f"--gpu-memory-gb must be a positive size in GB (got {self.gpu_memory_gb})")
 
 
 @dataclass
@@ -158,12 +174,24 @@ class SchedulerArgs:
         "H100, docs/perf.md).",
     )
 
+    itl_target_ms: float = flag(
+        0.0, "While requests decode, cap each prefill step's prompt tokens so that the gap a stream sees "
+        "(the prefill step plus its own decode step) stays within this many ms, from the measured step times "
+        "(0: 3x the recent decode step; -1: no cap, only --chunked-prefill-size). Needs chunking.",
+    )
+    min_prefill_tokens: int = flag(
+        512, "The smallest prefill step the --itl-target-ms cap allows, so prompts progress under any decode "
+        "load.",
+    )
+
     def validate(self) -> None:
         _check_choices(self)
         if self.max_running_requests < 1:
             raise UsageError(f"--max-running-requests must be >= 1 (got {self.max_running_requests})")
         if self.max_prefill_tokens < 1:
             raise UsageError(f"--max-prefill-tokens must be >= 1 (got {self.max_prefill_tokens})")
+        if self.min_prefill_tokens < 1:
+            raise UsageError(f"--min-prefill-tokens must be >= 1 (got {self.min_prefill_tokens})")
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0
                                                       or self.chunked_prefill_size < -1):
             raise UsageError("--chunked-prefill-size must be a positive number of tokens, or -1 to disable "
@@ -201,9 +229,21 @@ class KernelArgs:
         "auto", "RMSNorm: 'triton' kernel (CUDA default; torch under torch.compile) or 'torch' (CPU default).",
         choices=("auto", "triton", "torch"),
     )
+    norm_quant_backend: str = flag(
+        "auto", "An RMSNorm that feeds a block-FP8 GEMM (FP8 weights): 'triton' fuses it with the GEMM's FP8 "
+        "activation quantisation in one kernel (CUDA default), 'torch' (its reference), 'off' (norm, then the "
+        "GEMM quantises; the default elsewhere and with --gemm-backend torch).",
+        choices=("auto", "triton", "torch", "off"),
+    )
     moe_gate_backend: str = flag(
         "auto", "MoE router top-k: 'triton' fused gate (CUDA default) or 'torch' (reference; CPU default).",
         choices=("auto", "triton", "torch"),
+    )
+    all_reduce_backend: str = flag(
+        "auto", "Tensor-parallel all-reduce: 'torch' (torch.distributed: NCCL on CUDA, gloo on CPU; the default) "
+        "or 'custom' (GPUs of one node with P2P: one-shot / two-shot kernels over peer memory for small messages, "
+        "NCCL for large ones; falls back to 'torch' where P2P or 2/4/6/8 GPUs on one node are missing).",
+        choices=("auto", "torch", "custom"),
     )
     disable_cuda_graph: bool = flag(False, "Run decode eagerly instead of replaying CUDA graphs.")
     cuda_graph_max_bs: Optional[int] = flag(
@@ -237,7 +277,8 @@ class KernelArgs:
     def requested_kernels(self) -> dict[str, str]:
         """The implementation asked for per op ('auto' or a name), keyed as engine/model/kernel_registry.py's ops."""
         return {"attention": self.attention, "moe": self.moe_backend, "gemm": self.gemm_backend,
-                "rms_norm": self.rms_norm_backend, "moe_gate": self.moe_gate_backend}
+                "rms_norm": self.rms_norm_backend, "moe_gate": self.moe_gate_backend,
+                "norm_quant": self.norm_quant_backend, "all_reduce": self.all_reduce_backend}
 
     def config_dir(self) -> Optional[str]:
         """--kernel-config-dir, else $DSCTL_KERNEL_CONFIG_DIR, else None (the shipped configs only)."""
@@ -392,35 +433,64 @@ class ServerArgs:
 
     host: str = flag("127.0.0.1", "Address to listen on (0.0.0.0 for every interface).")
     port: int = flag(30000, "TCP port to listen on.")
-    api_key: Optional[str] = flag(None, "Require 'Authorization: Bearer KEY' on every route except /health.")
+    api_key: Optional[str] = flag(
+        None, "Require 'Authorization: Bearer KEY' on every route (/health without it says only ok / not ready). "
+        "Default: $DSCTL_API_KEY, which keeps the key out of the process list.",
+    )
     served_model_name: Optional[str] = flag(
         None, "Model name reported by /v1/models and expected in requests (default: --model).",
     )
-    max_queued_requests: Optional[int] = flag(
-        None, "Most sequences waiting for a place in the running batch; beyond it requests get 503 with "
-        "Retry-After (default: unbounded).",
+    max_queued_requests: int = flag(
+        1024, "Most sequences waiting for a place in the running batch; beyond it requests get 503 with "
+        "Retry-After (0: unbounded).",
+    )
+    max_body_bytes: int = flag(
+        8 * 2 ** 20, "Largest request body in bytes, checked while it is read; larger ones get 413 (0: no limit).",
+    )
+    max_json_depth: int = flag(64, "Deepest JSON nesting a request body may have; deeper ones get 400 (0: no limit).")
+    max_sequences_per_request: int = flag(
+        512, "Most sequences (prompts x n) one request may ask for; more get 400 (0: no limit).",
+    )
+    max_request_prompt_tokens: int = flag(
+        262144, "Most prompt tokens one request may carry over all its prompts; more get 400 (0: no limit).",
     )
     reasoning_parser: Optional[str] = flag(
-        None, "Move the model's <think>...</think> section into reasoning_content (chat completions).",
-        choices=("deepseek-r1",),
+        None, "Move the model's <think>...</think> section into reasoning_content (chat completions). "
+        "deepseek-v3.1: only for requests that turn thinking on (chat_template_kwargs: {\"thinking\": true}).",
+        choices=("deepseek-r1", "deepseek-v3.1"),
     )
-    shutdown_timeout: float = flag(
-        30.0, "Seconds in-flight requests get to finish after SIGTERM before they are aborted.",
+    tool_call_parser: Optional[str] = flag(
+        None, "The format the model writes tool calls in (chat completions with tools): deepseek-v3 (V3, R1 and "
+        "their 0324 / 0528 updates) or deepseek-v3.1 (V3.1, V3.1-Terminus). Default: read from the chat template.",
+        choices=("deepseek-v3", "deepseek-v3.1"),
+    )
+    graceful_shutdown_timeout: float = flag(
+        10.0, "Seconds in-flight requests get to finish after SIGTERM / Ctrl-C; the rest then end with "
+        "finish_reason abort (a second signal ends them at once).",
     )
     log_level: str = flag("info", "Server log level.", choices=("debug", "info", "warning", "error"))
+    dry_run: bool = flag(
+        False, "Print the memory plan (weights, KV pool, context limit per GPU and DP group) and exit, reading no "
+        "weight and needing no GPU (--gpu-memory-gb): exit 0 when it fits, 2 with the reason and the fixes.",
+    )
 
     def validate(self) -> None:
         _check_choices(self)
         if not 1 <= self.port <= 65535:
             raise UsageError(f"--port must be in 1..65535 (got {self.port})")
-        if self.max_queued_requests is not None and self.max_queued_requests < 1:
-            raise UsageError(f"--max-queued-requests must be >= 1 (got {self.max_queued_requests}); "
-                             "leave it out for an unbounded queue")
-        if self.shutdown_timeout < 0:
-            raise UsageError(f"--shutdown-timeout must be >= 0 (got {self.shutdown_timeout})")
+        for name in ("max_queued_requests", "max_body_bytes", "max_json_depth", "max_sequences_per_request",
+                     "max_request_prompt_tokens"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"--{cli_name(name)} must be >= 0, 0 for no limit (got {getattr(self, name)})")
+        if self.graceful_shutdown_timeout < 0:
+            raise UsageError(f"--graceful-shutdown-timeout must be >= 0 (got {self.graceful_shutdown_timeout})")
         for name, value in (("--api-key", self.api_key), ("--served-model-name", self.served_model_name)):
             if value is not None and not value.strip():
                 raise UsageError(f"{name} must not be empty")
+
+    def key(self) -> Optional[str]:
+        """--api-key, else $DSCTL_API_KEY, else None (no key: every route is open)."""
+        return self.api_key or os.environ.get(API_KEY_ENV) or None
 
 
 # Group attribute of EngineArgs -> (its dataclass, the --help panel its flags appear in), in CLI order.
@@ -490,6 +560,9 @@ class EngineArgs:
         if self.scheduler.schedule_policy == "lpm" and self.cache.disable_radix_cache:
             raise UsageError("--schedule-policy lpm orders requests by their cached prefix and needs the radix "
                              "cache: drop --disable-radix-cache, or use --schedule-policy fcfs")
+        if self.cache.gpu_memory_gb is not None and not self.server.dry_run:
+            raise UsageError("--gpu-memory-gb is the card `dsctl serve --dry-run` plans for: add --dry-run, or drop "
+                             "it (a real start uses the GPU's own memory)")
         if self.model.device == "cpu":
             gpu_only = [name for name, on in (("--enable-torch-compile", self.kernels.enable_torch_compile),
                                               (f"--kv-cache-dtype {self.cache.kv_cache_dtype}",

@@ -24,6 +24,9 @@ from engine.args import EngineArgs
 from engine.checkpoint.tokenizer import load_tokenizer
 from engine.distributed.groups import init_parallel
 from engine.errors import RequestError, UsageError
+from engine.grammar.compiler import GrammarCompiler, check
+from engine.grammar.matcher import GrammarMasks, RequestGrammar
+from engine.grammar.spec import GrammarSpec
 from engine.runner.device import pick_device
 from engine.runner.model_runner import ModelRunner
 from engine.sampling import SamplingParams
@@ -73,6 +76,7 @@ class Engine:
         if not eos and self.runner.config.eos_token_id is not None:
             eos = {self.runner.config.eos_token_id}
         self.eos_ids = eos
+        self.grammars: Optional[GrammarCompiler] = None  # made for the first grammar request
         self.scheduler = self.make_scheduler()
         self._ids = itertools.count()
 
@@ -91,6 +95,7 @@ class Engine:
         args = self.args.replace(**flags)
         outputs = OutputProcessor(self.tokenizer, self.eos_ids, self.runner.max_model_len)
         sched = Scheduler(self.runner, outputs, args.scheduler, radix_cache=not args.cache.disable_radix_cache)
+        sched.grammar_masks = GrammarMasks(self.runner.config.vocab_size, self.runner.device)
         if args.speculative.enabled:  # (the scheduler then never mixes: running requests decode in spec steps)
             sched.spec = SpecDecoder(self.runner, args.speculative)
         return sched
@@ -107,12 +112,36 @@ class Engine:
             raise UsageError(f"{self.args.model.model} has no tokenizer files here; pass token ids instead of text")
         return self.tokenizer.encode(text)
 
-    def make_request(self, prompt_ids: list[int], params: SamplingParams, rid: Optional[str] = None) -> Request:
+    def make_request(self, prompt_ids: list[int], params: SamplingParams, rid: Optional[str] = None,
+                     grammar: Optional[GrammarSpec] = None) -> Request:
+        """A request (not queued yet); `grammar` constrains its output (a GrammarError if it cannot be compiled)."""
         params.validate()
+        matcher = self.request_grammar(grammar, prompt_ids) if grammar is not None else None
+        if params.adjusts_logits and self.scheduler.spec is not None:
+            raise RequestError("frequency_penalty, presence_penalty, repetition_penalty, logit_bias and min_tokens "
+                               "are not supported with speculative decoding")
         gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        return Request.new(rid if rid is not None else str(next(self._ids)), prompt_ids, params, gen)
+        if params.seed is not None:  # on the host: the sampler draws one number from it per step
+            gen = torch.Generator().manual_seed(params.seed)
+        req = Request.new(rid if rid is not None else str(next(self._ids)), prompt_ids, params, gen)
+        req.grammar = matcher
+        return req
+
+    def request_grammar(self, spec: GrammarSpec, prompt_ids: list[int]) -> RequestGrammar:
+        """A matcher for spec, compiled for this model's vocabulary (compiled grammars are cached). One process:
+        compiled on a background thread (the scheduler admits the request once it is ready; a compile that
+        fails fails the request); with several ranks here, at once (the mirrored schedulers must admit it
+        at the same step). A spec that does not parse raises GrammarError at once."""
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer files, so its output cannot be constrained by a grammar")
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer, self.runner.config.vocab_size, self.eos_ids)
+        if self.args.parallel.config().world_size > 1:
+            compiled = self.grammars.compile(spec)
+        else:
+            check(spec)
+            compiled = self.grammars.submit(spec)
+        return RequestGrammar(compiled, spec, self.grammars.reasoning_end, prompt_ids)
 
     def generate(
         self,
@@ -150,8 +179,10 @@ class Engine:
         return build_output(req.prompt_ids, req.params, got, self._decode)
 
     def close(self) -> None:
-        """Stop the runner's background kernel compiles (RankedEngine stops its ranks)."""
+        """Stop the runner's background kernel compiles (RankedEngine stops its ranks) and grammar compiles."""
         self.runner.close()
+        if self.grammars is not None:
+            self.grammars.close()
 
 
 def build_output(prompt_ids: list[int], p: SamplingParams, got: CollectedOutput, decode) -> GenerateOutput:

@@ -88,7 +88,7 @@ def fp8_bmm_ref(a: torch.Tensor, b_fp8: torch.Tensor, b_scale: torch.Tensor,
 
 
 @triton.jit
-def _round_to_e4m3_grid(v, EXACT_ROUND: tl.constexpr):
+def round_to_e4m3_grid(v, EXACT_ROUND: tl.constexpr):
     """Round float32 values in [-448, 448] to the e4m3 grid (round to nearest even).
 
     Only used under the CPU interpreter, whose float32 -> e4m3 cast mis-rounds values
@@ -119,7 +119,7 @@ def store_cast(v, ptr, EXACT_ROUND: tl.constexpr):
 def quant_tile(x, EXACT_ROUND: tl.constexpr):
     """x [R, GROUP] float32, one quantisation group per row -> (q on the e4m3 grid, float32; scale [R])."""
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
-    q = _round_to_e4m3_grid(tl.clamp(x / scale[:, None], -448.0, 448.0), EXACT_ROUND)
+    q = round_to_e4m3_grid(tl.clamp(x / scale[:, None], -448.0, 448.0), EXACT_ROUND)
     return q, scale
 
 
@@ -141,7 +141,7 @@ def quant_groups(x_ptr, q_ptr, s_ptr, row, gblk, K, stride_xm, stride_qm, stride
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), eps) / 448.0
     q = tl.clamp(x / scale[:, None], -448.0, 448.0)
-    q = _round_to_e4m3_grid(q, EXACT_ROUND)
+    q = round_to_e4m3_grid(q, EXACT_ROUND)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g * GROUP < K)
 
@@ -304,11 +304,14 @@ def block_fp8_matmul(a: torch.Tensor, b_fp8: torch.Tensor, b_scale: torch.Tensor
 
 def block_fp8_matmul_q(aq: torch.Tensor, a_scale: torch.Tensor, b_fp8: torch.Tensor, b_scale: torch.Tensor,
                        block: tuple[int, int] = (128, 128), out_dtype: torch.dtype = torch.bfloat16,
-                       config: Optional[dict] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       config: Optional[dict] = None, out: Optional[torch.Tensor] = None,
+                       cublas: bool = True) -> torch.Tensor:
     """block_fp8_matmul for an already quantised a: aq [M, K] e4m3 with a_scale [M, ceil(K/bk)]
-    (any strides; column-major reads fastest), e.g. one quantisation shared by q_a and kv_a."""
+    (any strides; column-major reads fastest), e.g. the output of kernels/rms_norm_quant.py. The tuned
+    config's QUANT_A key does not apply (a is quantised already); `cublas=False` ignores its CUBLAS key."""
     cfg = dict(config or get_fp8_gemm_config(b_fp8.shape[0], b_fp8.shape[1], aq.shape[0], device=aq.device))
-    if cfg.get("CUBLAS", 0) and aq.shape[0] and cublas_block_fp8_supported(aq.device, block, *b_fp8.shape[::-1]):
+    if (cublas and cfg.get("CUBLAS", 0) and aq.shape[0]
+            and cublas_block_fp8_supported(aq.device, block, *b_fp8.shape[::-1])):
         return cublas_block_fp8_matmul(aq, a_scale, b_fp8, b_scale, out_dtype, out)
     return _block_gemm(aq, a_scale, b_fp8, b_scale, block, out_dtype, cfg, out)
 

@@ -15,6 +15,8 @@ quantisation of x (the prologue): 5 launches in all. Configs may set QUANT_A (th
 quantise their own A tiles, saving the quant launches); on an H100 that was slower, so
 the shipped configs keep it off (docs/perf.md).
 Ids outside [0, E) (experts owned by another EP rank) contribute nothing.
+What this kernel shares with the W4AFP8 one (kernels/fused_moe_w4a8.py): the prologue, the sum, the
+GEMM tiles' rows and epilogue, the launch and the config split, in kernels/moe_common.py.
 """
 
 from __future__ import annotations
@@ -26,10 +28,19 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.fp8 import groups_per_program, per_token_group_quant_fp8, quant_groups, quant_tile, store_cast
+from kernels.fp8 import per_token_group_quant_fp8, quant_tile
 from kernels.fp8_math import FP8_DTYPE, block_scale_shape, dequant_block_fp8, dequant_groups, quantize_groups
-from kernels.interpret import interpreting
-from kernels.moe_align import align_plan, align_small, moe_align_block_size
+from kernels.moe_align import moe_align_block_size
+from kernels.moe_common import (
+    align_and_quant,
+    check_routing,
+    gemm_epilogue,
+    launch_gemm,
+    moe_inputs,
+    moe_sum,
+    split_config,
+    tile_rows,
+)
 from kernels.tile_order import grouped_tile
 from kernels.tuned_configs import get_moe_config, moe_dtype_name
 
@@ -108,11 +119,7 @@ def _moe_gemm_kernel(
     if pid_m * BLOCK_SIZE_M >= tl.load(npp_ptr):
         return
 
-    offs_r = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
-    rid = tl.load(sorted_ids_ptr + offs_r)
-    r_mask = rid < num_valid
-    rid = tl.where(r_mask, rid, 0).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    rid, r_mask, expert = tile_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_valid, BLOCK_SIZE_M)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     cols = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_SIZE_K)
@@ -161,62 +168,8 @@ def _moe_gemm_kernel(
         b_ptrs += BLOCK_SIZE_K * stride_bk
         up_ptrs += BLOCK_SIZE_K * stride_bk
 
-    if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if MUL_WEIGHT:
-        w = tl.load(topk_w_ptr + rid, mask=r_mask, other=0.0).to(tl.float32)
-        acc = acc * w[:, None]
-    c_ptrs = c_ptr + rid[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, store_cast(acc, c_ptr, INTERPRET), mask=r_mask[:, None] & (offs_n[None, :] < N))
-
-
-@triton.jit
-def _moe_prologue_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, npp_ptr, n_chunks, E, numel, n_blocks,
-                         x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, n_gblk,
-                         CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
-                         FILL: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-                         EXACT_ROUND: tl.constexpr):
-    """One launch for two independent jobs: program 0 aligns the routing (small inputs), the
-    others quantise x for the gate_up GEMM."""
-    pid = tl.program_id(0)
-    if pid == 0:
-        align_small(ids_ptr, sorted_ids_ptr, expert_ids_ptr, npp_ptr, n_chunks, E, numel, n_blocks,
-                    CHUNK, BLOCK_M, BLOCK_E, BLOCK_B, FILL)
-    else:
-        r = pid - 1
-        quant_groups(x_ptr, q_ptr, s_ptr, r // n_gblk, r % n_gblk, K, stride_xm, stride_qm, stride_sm, 1,
-                     1e-10, GROUP, GROUPS_PER_PROG, EXACT_ROUND)
-
-
-def _prologue(x, ids, plan, group):
-    """Alignment + 1 x group quantisation of x in one launch -> (MoEAlignment, xq, x_scale)."""
-    t, k = x.shape
-    g = triton.cdiv(k, group)
-    al = plan.empty(x.device)
-    xq = torch.empty((t, k), dtype=FP8_DTYPE, device=x.device)
-    xs = torch.empty((t, g), dtype=torch.float32, device=x.device)
-    gpp = groups_per_program(g, group)
-    n_gblk = triton.cdiv(g, gpp)
-    _moe_prologue_kernel[(1 + t * n_gblk,)](
-        ids, al.sorted_ids, al.expert_ids, al.num_post_pad, plan.n_chunks, plan.num_experts, plan.numel,
-        plan.n_blocks, x, xq, xs, k, x.stride(0), xq.stride(0), xs.stride(0), n_gblk,
-        **plan.meta(), GROUP=group, GROUPS_PER_PROG=gpp, EXACT_ROUND=interpreting(), num_warps=4)
-    return al, xq, xs
-
-
-@triton.jit
-def _moe_sum_kernel(y_ptr, ids_ptr, out_ptr, K, E, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-                    EXACT_ROUND: tl.constexpr):
-    """out[t] = sum over slots s with a valid expert id of y[t * TOP_K + s]."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < K
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(TOP_K):
-        e = tl.load(ids_ptr + t * TOP_K + s)
-        if (e >= 0) & (e < E):
-            acc += tl.load(y_ptr + (t * TOP_K + s) * K + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * K + cols, store_cast(acc, out_ptr, EXACT_ROUND), mask=mask)
+    gemm_epilogue(acc, acc_up, c_ptr, topk_w_ptr, rid, r_mask, offs_n, N, stride_cm, stride_cn,
+                  GATED, MUL_WEIGHT, INTERPRET)
 
 
 # --------------------------------------------------------------------------- wrapper
@@ -228,8 +181,7 @@ def _check(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, block_shape)
     n = two_n // 2
     if k1 != k or two_n % 2 or tuple(w2.shape) != (e, k, n):
         raise ValueError(f"shapes: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != t:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} vs T={t}")
+    check_routing(t, topk_ids, topk_weights)
     if (w13.dtype == FP8_DTYPE) != (w2.dtype == FP8_DTYPE):
         raise ValueError("w13 and w2 must both be FP8 or both not")
     if w13.dtype == FP8_DTYPE:
@@ -243,34 +195,15 @@ def _check(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, block_shape)
     return t, k, e, n
 
 
-def _launch_gemm(a, a_s, b, b_s, c, topk_w, al, *, n_out, k, num_valid, up_offset, a_row_div, gated,
-                 mul_weight, fp8, block_shape, cfg):
-    """a_s None with fp8 weights: a is bf16/fp32 and is quantised inside the GEMM."""
-    bn_, bk = cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+def _launch_gemm(a, a_s, b, b_s, c, topk_w, al, *, fp8, block_shape, cfg, **gemm):
+    """kernels.moe_common.launch_gemm of `_moe_gemm_kernel` (`gemm`: its shape arguments).
+    a_s None with fp8 weights: a is bf16/fp32 and is quantised inside the GEMM."""
     quant_a = fp8 and a_s is None
+    bk = cfg["BLOCK_SIZE_K"]
     if fp8:
         bk = block_shape[1] if quant_a else min(bk, block_shape[1])
-    npm = al.expert_ids.shape[0]
-    grid = (npm * triton.cdiv(n_out, bn_),)
-    a_strides = (a_s.stride(0), a_s.stride(1)) if fp8 and not quant_a else (0, 0)
-    _moe_gemm_kernel[grid](
-        a, a_s if a_s is not None else a, b, b_s if fp8 else b, c, topk_w,
-        al.sorted_ids, al.expert_ids, al.num_post_pad,
-        n_out, k, num_valid, npm, up_offset,
-        a.stride(0), a.stride(1), *a_strides,
-        b.stride(0), b.stride(1), b.stride(2), *(b_s.stride() if fp8 else (0, 0, 0)),
-        c.stride(0), c.stride(1),
-        A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, USE_FP8=fp8, QUANT_A=quant_a,
-        INTERPRET=interpreting(), GROUP_N=block_shape[0], GROUP_K=block_shape[1],
-        BLOCK_SIZE_M=al.block_m, BLOCK_SIZE_N=bn_, BLOCK_SIZE_K=bk, GROUP_SIZE_M=cfg.get("GROUP_SIZE_M", 1),
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
-
-
-def _down_config(cfg: dict) -> dict:
-    """The down-projection GEMM's config: `cfg` with any `<KEY>_DOWN` entries taking over <KEY>."""
-    down = {k: v for k, v in cfg.items() if not k.endswith("_DOWN")}
-    down.update({k[:-5]: v for k, v in cfg.items() if k.endswith("_DOWN")})
-    return down
+    launch_gemm(_moe_gemm_kernel, a, a_s, b, b_s if fp8 else None, c, topk_w, al, block_k=bk, cfg=cfg, **gemm,
+                USE_FP8=fp8, QUANT_A=quant_a, GROUP_N=block_shape[0], GROUP_K=block_shape[1])
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -288,47 +221,28 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     `out` ([T, K], x.dtype) receives the result if given.
     """
     t, k, e, n = _check(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, block_shape)
-    top_k = topk_ids.shape[1]
-    if out is None:
-        out = torch.empty((t, k), dtype=x.dtype, device=x.device)
-    if t == 0 or top_k == 0:
-        return out.zero_()
+    inp = moe_inputs(x, topk_ids, topk_weights, out)
+    if inp.empty:
+        return inp.out.zero_()
     fp8 = w13.dtype == FP8_DTYPE
-    cfg = config or get_moe_config(e, n, t, top_k, moe_dtype_name(w13.dtype), device=x.device)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
-    num_valid = t * top_k
-    inter_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+    cfg = config or get_moe_config(e, n, t, inp.top_k, moe_dtype_name(w13.dtype), device=x.device)
+    up_cfg, down_cfg = split_config(cfg)
 
-    up_cfg = {k_: v for k_, v in cfg.items() if not k_.endswith("_DOWN")}
-    down_cfg = _down_config(cfg)
-
-    def act(a, c):  # separate activation quantisation unless the GEMM quantises its own tiles
-        if not fp8 or c.get("QUANT_A", 0):
-            return a, None
-        return per_token_group_quant_fp8(a, block_shape[1])
-
-    plan = align_plan(num_valid, e, cfg["BLOCK_SIZE_M"])
-    if fp8 and plan.small and not up_cfg.get("QUANT_A", 0):
-        al, a1, a1_s = _prologue(x, ids.reshape(-1), plan, block_shape[1])
+    if fp8 and not up_cfg.get("QUANT_A", 0):  # else no quantisation, or the GEMM quantises its own A tiles
+        al, a1, a1_s = align_and_quant(inp.x, inp.ids, e, cfg["BLOCK_SIZE_M"], block_shape[1])
     else:
-        al = moe_align_block_size(ids, cfg["BLOCK_SIZE_M"], e)
-        a1, a1_s = act(x, up_cfg)
-    h = torch.empty((num_valid, n), dtype=inter_dtype, device=x.device)
-    _launch_gemm(a1, a1_s, w13, w13_scale, h, weights, al, n_out=n, k=k, num_valid=num_valid, up_offset=n,
-                 a_row_div=top_k, gated=True, mul_weight=False, fp8=fp8, block_shape=block_shape, cfg=up_cfg)
+        al, a1, a1_s = moe_align_block_size(inp.ids, cfg["BLOCK_SIZE_M"], e), inp.x, None
+    h = torch.empty((inp.num_valid, n), dtype=inp.inter_dtype, device=x.device)
+    _launch_gemm(a1, a1_s, w13, w13_scale, h, inp.weights, al, fp8=fp8, block_shape=block_shape, cfg=up_cfg,
+                 **inp.up_gemm(n, k))
 
-    a2, a2_s = act(h, down_cfg)
-    y = torch.empty((num_valid, k), dtype=inter_dtype, device=x.device)
-    _launch_gemm(a2, a2_s, w2, w2_scale, y, weights, al, n_out=k, k=n, num_valid=num_valid, up_offset=0,
-                 a_row_div=1, gated=False, mul_weight=True, fp8=fp8, block_shape=block_shape, cfg=down_cfg)
-
-    block = min(1024, triton.next_power_of_2(k))
-    _moe_sum_kernel[(t, triton.cdiv(k, block))](y, ids, out, k, e, TOP_K=top_k, BLOCK=block,
-                                                  EXACT_ROUND=interpreting(), num_warps=4)
-    return out
+    a2, a2_s = h, None
+    if fp8 and not down_cfg.get("QUANT_A", 0):
+        a2, a2_s = per_token_group_quant_fp8(h, block_shape[1])
+    y = torch.empty((inp.num_valid, k), dtype=inp.inter_dtype, device=x.device)
+    _launch_gemm(a2, a2_s, w2, w2_scale, y, inp.weights, al, fp8=fp8, block_shape=block_shape, cfg=down_cfg,
+                 **inp.down_gemm(n, k))
+    return moe_sum(y, inp, e)
 
 
 __all__ = ["fused_moe", "fused_moe_ref"]

@@ -28,7 +28,7 @@ MAX_HIDDEN = 16384  # one tile holds the whole row
 
 
 @triton.jit
-def _round_to(v, dtype: tl.constexpr, EXACT_ROUND: tl.constexpr):
+def round_to(v, dtype: tl.constexpr, EXACT_ROUND: tl.constexpr):
     """float32 v rounded to `dtype`, returned as `dtype`. The interpreter's float32 -> bf16
     cast truncates, so under it round to nearest even first (the GPU cast already does)."""
     if EXACT_ROUND:
@@ -39,24 +39,31 @@ def _round_to(v, dtype: tl.constexpr, EXACT_ROUND: tl.constexpr):
     return v.to(dtype)
 
 
+@triton.jit
+def normed_tile(X, W, rows, cols, n_rows, hidden, stride_x, eps, OUT_DTYPE: tl.constexpr,
+                EXACT_ROUND: tl.constexpr):
+    """One [ROWS, BLOCK] tile of rms_norm(x) * w, rounded to OUT_DTYPE (the values the norm stores), and its
+    mask. kernels/rms_norm_quant.py calls it too, so that both kernels add the squares in the same order."""
+    row_ok = rows < n_rows
+    col_ok = cols < hidden
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)  # [ROWS]
+    y = round_to(x * inv[:, None], X.dtype.element_ty, EXACT_ROUND).to(tl.float32)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return round_to(y * w[None, :], OUT_DTYPE, EXACT_ROUND), mask
+
+
 @triton.jit(do_not_specialize=["n_rows"])  # one compile for every batch size
 def _rms_norm_kernel(X, W, Out, n_rows, hidden, stride_x, stride_o, eps,
                      BLOCK: tl.constexpr, ROWS: tl.constexpr, EXACT_ROUND: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    row_ok = rows < n_rows
-    col_ok = cols < hidden
-    mask = row_ok[:, None] & col_ok[None, :]
-    rows64 = rows.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)  # [ROWS]
-    y = _round_to(x * inv[:, None], X.dtype.element_ty, EXACT_ROUND).to(tl.float32)
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    out = _round_to(y * w[None, :], Out.dtype.element_ty, EXACT_ROUND)
-    tl.store(Out + rows64[:, None] * stride_o + cols[None, :], out, mask=mask)
+    out, mask = normed_tile(X, W, rows, cols, n_rows, hidden, stride_x, eps, Out.dtype.element_ty, EXACT_ROUND)
+    tl.store(Out + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], out, mask=mask)
 
 
-def _launch_meta(hidden: int) -> tuple[int, int, int]:
+def launch_meta(hidden: int) -> tuple[int, int, int]:
     """(BLOCK, ROWS per program, num_warps) for rows of `hidden` values."""
     block = triton.next_power_of_2(hidden)
     rows = max(1, min(16, 2048 // block))  # short rows: several per program
@@ -103,7 +110,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if n_rows == 0:
         return out
     w = weight if weight.stride(0) == 1 else weight.contiguous()
-    block, rows, num_warps = _launch_meta(hidden)
+    block, rows, num_warps = launch_meta(hidden)
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x2, w, o2, n_rows, hidden, x2.stride(0), o2.stride(0), float(eps),
         BLOCK=block, ROWS=rows, EXACT_ROUND=interpreting(), num_warps=num_warps)

@@ -2,8 +2,8 @@
 
 Files (JSON: {"<batch size M>": {"BLOCK_SIZE_M": .., "BLOCK_SIZE_N": .., "BLOCK_SIZE_K": ..,
 "GROUP_SIZE_M": .., "num_warps": .., "num_stages": ..}, ...}):
-  fused MoE:   E={E},N={N},device_name={GPU},dtype={fp8_w8a8|bf16},block_shape=[128, 128].json
-               (the block_shape part only for block-quantised weights: a bf16 file ends at dtype=bf16)
+  fused MoE:   E={E},N={N},device_name={GPU},dtype={fp8_w8a8|w4afp8|bf16},block_shape=[128, 128].json
+               (the block_shape part only for block-FP8 weights: a bf16 or w4afp8 file ends at dtype=...)
   block GEMM:  N={N},K={K},device_name={GPU},dtype=fp8_w8a8,block_shape=[128, 128].json
 GPU names are torch's device name with spaces -> underscores (NVIDIA_H100_80GB_HBM3, NVIDIA_H200).
 Optional keys: QUANT_A (the GEMM quantises its own activation tiles), <KEY>_DOWN (fused MoE:
@@ -11,10 +11,11 @@ Optional keys: QUANT_A (the GEMM quantises its own activation tiles), <KEY>_DOWN
 GEMM where available, the Triton tiles of the same dict otherwise).
 
 Search order: the user directory (the `user_dir` argument, else the one registered with
-`set_user_config_dir`, which the engine's ModelRunner does with --kernel-config-dir), then
-kernels/configs/ shipped in the package. Nothing here reads the environment: the
-DSCTL_KERNEL_CONFIG_DIR variable (ENV_DIR) is only the documented default of that flag,
-resolved by the engine. A look-up picks the tuned M nearest the actual one (ties: the
+`set_user_config_dir`, which the engine's ModelRunner does with --kernel-config-dir), then the
+per-user directory `dsctl tune-*` writes to by default (`per_user_dir`, platformdirs' user
+config dir + /configs), then kernels/configs/ shipped in the package. The first file found
+wins. Nothing here reads DSCTL_KERNEL_CONFIG_DIR (ENV_DIR): it is only the documented default
+of that flag, resolved by the engine (platformdirs itself honours XDG_CONFIG_HOME). A look-up picks the tuned M nearest the actual one (ties: the
 smaller), except beyond twice the largest tuned M (a search its time limit stopped early),
 where the default config is used: a small-M tile says little about a prefill-sized GEMM.
 With no file, defaults are used and a warning naming the `dsctl tune-moe` /
@@ -30,6 +31,7 @@ import logging
 from pathlib import Path
 from typing import Optional, Union
 
+import platformdirs
 import torch
 
 log = logging.getLogger("dsctl.kernels")
@@ -80,10 +82,18 @@ def fp8_gemm_config_filename(N: int, K: int, device: str, block_shape=(128, 128)
     return f"N={N},K={K},device_name={normalize_device_name(device)},dtype=fp8_w8a8{_block_part(block_shape)}.json"
 
 
+def per_user_dir() -> Path:
+    """Where `dsctl tune-*` writes by default: this user's config directory (platformdirs:
+    $XDG_CONFIG_HOME/dsctl/configs, by default ~/.config/dsctl/configs, on Linux)."""
+    return Path(platformdirs.user_config_dir("dsctl")) / "configs"
+
+
 def config_dirs(user_dir: Optional[PathLike] = None) -> list[Path]:
-    """Directories searched, in order: user_dir (else the registered one), then the shipped configs."""
+    """Directories searched, in order: user_dir (else the registered one), the per-user directory when it
+    exists, then the shipped configs."""
     user = user_dir or user_config_dir()
-    return ([Path(user).expanduser()] if user else []) + [SHIPPED_DIR]
+    mine = per_user_dir()
+    return ([Path(user).expanduser()] if user else []) + ([mine] if mine.is_dir() else []) + [SHIPPED_DIR]
 
 
 def find_config_file(filename: str, user_dir: Optional[PathLike] = None) -> Optional[Path]:
@@ -150,6 +160,12 @@ def default_moe_config(M: int, E: int, N: int, top_k: int, dtype: str) -> dict:
     if dtype == "fp8_w8a8":
         if per_expert <= 8:  # decode: weight streaming, many narrow tiles
             return _cfg(16, 32, 128, stages=4, BLOCK_SIZE_N_DOWN=64)
+        if per_expert <= 64:
+            return _cfg(32, 128, 128, stages=3)
+        return _cfg(64, 128, 128, gm=16, stages=3)
+    if dtype == "w4afp8":  # INT4 weights, FP8 activations (kernels/fused_moe_w4a8.py); BLOCK_SIZE_K >= 64 on a GPU
+        if per_expert <= 8:
+            return _cfg(16, 64, 128, stages=4)
         if per_expert <= 64:
             return _cfg(32, 128, 128, stages=3)
         return _cfg(64, 128, 128, gm=16, stages=3)

@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.args", "engine.distributed.parallel_config"),  # flags and the parallel layout they describe
     ("engine.checkpoint",),  # model registry, config.json, resolution, tokenizer, cache dir, built-in models
     ("engine.sampling", "engine.forward_batch"),  # sampling parameters / sampling; one forward's batch
+    ("engine.grammar",),  # grammar-constrained decoding: specs, compiled grammars, matchers, token masks
     ("engine.distributed",),  # process groups, collectives, sizing, DP-attention gathers
     ("engine.memory",),  # KV pool, request table, radix cache, request memory
     ("engine.weights",),  # tensors from checkpoints (or dummy) into modules

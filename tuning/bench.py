@@ -1,6 +1,7 @@
 """Time launch configs on random problems of the real shape; successive halving; numerical check.
 
-Problems: random (never zero) weights of the real shape (FP8 with random block scales, or bf16);
+Problems: random (never zero) weights of the real shape (FP8 with random block scales, bf16, or packed
+INT4 with random group scales for w4afp8);
 fused-MoE routing drawn by the model's own router (kernels/moe_gate reference: noaux_tc,
 grouped or greedy top-k) on random logits plus a fixed per-expert popularity offset, so some
 experts are hot as in real traffic; with EP, this rank keeps the ids of its own experts and the
@@ -27,6 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from kernels.fp8_math import block_scale_shape
+from kernels.int4 import INT4_GROUP
 from tuning.search_space import config_key
 from tuning.shapes import GemmShape, MoEShape
 
@@ -50,6 +52,14 @@ def _random_fp8(shape, block, gen, device) -> tuple[torch.Tensor, torch.Tensor]:
     return w, scale
 
 
+def _random_int4(shape, group, gen, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed INT4 weight (every byte value, so both nibbles span [-8, 7]) and float32 group scales
+    in [0.001, 0.003) (kernels/int4.py's layout)."""
+    w = torch.randint(-128, 128, (*shape[:-1], shape[-1] // 2), generator=gen, device=device, dtype=torch.int8)
+    scale = torch.rand((*shape[:-1], shape[-1] // group), generator=gen, device=device) * 0.002 + 0.001
+    return w, scale
+
+
 class MoEProblem:
     """Expert weights of one rank plus per-batch-size inputs (tokens, routing)."""
 
@@ -62,6 +72,9 @@ class MoEProblem:
         if s.dtype == "fp8_w8a8":
             self.w13, self.w13_scale = _random_fp8((s.E, 2 * s.N, s.K), s.block_shape, gen, self.device)
             self.w2, self.w2_scale = _random_fp8((s.E, s.K, s.N), s.block_shape, gen, self.device)
+        elif s.dtype == "w4afp8":
+            self.w13, self.w13_scale = _random_int4((s.E, 2 * s.N, s.K), INT4_GROUP, gen, self.device)
+            self.w2, self.w2_scale = _random_int4((s.E, s.K, s.N), min(INT4_GROUP, s.N), gen, self.device)
         else:
             self.w13 = (torch.randn(s.E, 2 * s.N, s.K, generator=gen, device=self.device) * 0.02).to(torch.bfloat16)
             self.w2 = (torch.randn(s.E, s.K, s.N, generator=gen, device=self.device) * 0.02).to(torch.bfloat16)
@@ -100,22 +113,30 @@ class MoEProblem:
 
     def run(self, cfg: dict, inp: tuple, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         from kernels.fused_moe import fused_moe  # lazy: imports triton; keeps --dry-run (CPU) off it
+        from kernels.fused_moe_w4a8 import fused_moe_w4a8  # lazy: imports triton; keeps --dry-run (CPU) off it
 
         x, ids, weights = inp
+        if self.shape.dtype == "w4afp8":
+            return fused_moe_w4a8(x, self.w13, self.w2, ids, weights, w13_scale=self.w13_scale,
+                                  w2_scale=self.w2_scale, config=cfg, out=out)
         return fused_moe(x, self.w13, self.w2, ids, weights, w13_scale=self.w13_scale, w2_scale=self.w2_scale,
                          block_shape=self.shape.block_shape or (128, 128), config=cfg, out=out)
 
     def reference(self, inp: tuple) -> torch.Tensor:
         from kernels.fused_moe import fused_moe_ref  # lazy: imports triton; keeps --dry-run (CPU) off it
+        from kernels.fused_moe_w4a8 import fused_moe_w4a8_ref  # lazy: imports triton; keeps --dry-run off it
 
         x, ids, weights = inp
+        if self.shape.dtype == "w4afp8":
+            return fused_moe_w4a8_ref(x, self.w13, self.w2, ids, weights, w13_scale=self.w13_scale,
+                                      w2_scale=self.w2_scale)
         return fused_moe_ref(x, self.w13, self.w2, ids, weights, w13_scale=self.w13_scale, w2_scale=self.w2_scale,
                              block_shape=self.shape.block_shape or (128, 128))
 
     def tolerance(self) -> float:
         # vs the torch mirror of the same roundings: e4m3 re-roundings of the intermediate (wgmma
         # accumulation order) give up to ~1% (docs/perf.md); a broken config gives ~100%
-        return 3e-2 if self.shape.dtype == "fp8_w8a8" else 2e-2
+        return 3e-2 if self.shape.dtype in ("fp8_w8a8", "w4afp8") else 2e-2
 
 
 class GemmProblem:

@@ -51,7 +51,7 @@ def _call_us(target, m: int) -> float:
     """Roofline guess of one kernel call in microseconds (weights streamed once, FP8 tensor-core rate)."""
     if target.kind == "moe":
         s = target.shape
-        wbytes = 1 if s.dtype == "fp8_w8a8" else 2
+        wbytes = {"fp8_w8a8": 1, "w4afp8": 0.5}.get(s.dtype, 2)
         touched = s.E * (1 - (1 - s.top_k / s.routing.n_experts) ** m)
         nbytes = touched * 3 * s.N * s.K * wbytes + m * s.top_k * s.K * 4
         flops = 2 * m * s.top_k * 3 * s.N * s.K

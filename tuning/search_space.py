@@ -26,6 +26,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from kernels.int4 import INT4_GROUP
+
 KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 MAX_ACC_REGS = 128  # float32 accumulator registers per thread before the kernel spills
@@ -128,7 +130,12 @@ def static_reason(cfg: dict, kind: GemmKind, limits: Limits) -> Optional[str]:
 
 
 def moe_kinds(n: int, k: int, dtype: str, block_shape) -> tuple[GemmKind, GemmKind]:
-    """(gate_up, down) GEMMs of a fused-MoE layer: gate_up [2N, K] gated, down [K, N]."""
+    """(gate_up, down) GEMMs of a fused-MoE layer: gate_up [2N, K] gated, down [K, N]. w4afp8 (INT4 weights,
+    kernels/fused_moe_w4a8.py): a K tile must divide the 128-wide INT4 group (min(128, N) for the down GEMM);
+    the packed B tile is unpacked to FP8 before the dot, so it is counted at one byte per weight."""
+    if dtype == "w4afp8":
+        up = GemmKind(n=n, k=k, a_bytes=1, b_bytes=1, gated=True, block_shape=(1, INT4_GROUP))
+        return up, GemmKind(n=k, k=n, a_bytes=1, b_bytes=1, block_shape=(1, min(INT4_GROUP, n)))
     nbytes = 1 if dtype == "fp8_w8a8" else 2
     up = GemmKind(n=n, k=k, a_bytes=nbytes, b_bytes=nbytes, gated=True, block_shape=block_shape)
     down = GemmKind(n=k, k=n, a_bytes=nbytes, b_bytes=nbytes, gated=False, block_shape=block_shape)

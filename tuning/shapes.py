@@ -8,8 +8,9 @@ EP ranks own whole experts (no split of N) and the remaining tp / ep factor spli
 tp 8 / ep 1 gives E=256, N=256 for DeepSeek-V3 and tp 8 / ep 8 gives E=32, N=2048.
 
 Block-FP8 linear layers (one (N, K) GEMM each, out = x[M, K] @ W[N, K]^T), at tensor parallel tp:
-  replicated       q_a_proj (hidden -> q_lora_rank), kv_a_proj_with_mqa (hidden -> kv_lora + rope):
-                   small outputs that every rank computes whole
+  replicated       q_a_proj (hidden -> q_lora_rank) and kv_a_proj_with_mqa (hidden -> kv_lora + rope),
+                   stacked into one qkv_a_proj GEMM (q_lora + kv_lora + rope: 2112 for V2/V3; MLA.merge_qkv_a)
+                   when q_lora_rank is whole weight blocks: small outputs that every rank computes whole
   column-parallel  q_b_proj / q_proj, kv_b_proj (prefill only; decode uses the absorbed per-head
                    weights), dense-MLP and shared-expert gate_up (gate and up merged): N / tp
   row-parallel     o_proj, dense-MLP and shared-expert down_proj: K / tp (followed by an all-reduce)
@@ -25,9 +26,10 @@ from typing import Optional
 from engine.checkpoint.config import ModelConfig, load_config, parse_config
 from engine.checkpoint.registry import lookup
 from engine.errors import UsageError
+from kernels.int4 import INT4_GROUP
 from kernels.tuned_configs import fp8_gemm_config_filename, moe_config_filename
 
-MOE_DTYPES = ("fp8_w8a8", "bf16")
+MOE_DTYPES = ("fp8_w8a8", "bf16", "w4afp8")
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,8 @@ class MoEShape:
     N: int  # per-rank intermediate size (w13 is [E, 2N, K], w2 [E, K, N])
     K: int  # hidden size
     top_k: int
-    dtype: str  # fp8_w8a8 | bf16
-    block_shape: Optional[tuple[int, int]]  # FP8 weight-scale block, None for bf16
+    dtype: str  # fp8_w8a8 | bf16 | w4afp8
+    block_shape: Optional[tuple[int, int]]  # FP8 weight-scale block, None for bf16 and w4afp8 (INT4 groups of 128)
     routing: Routing
     tp: int = 1
     ep: int = 1
@@ -106,12 +108,13 @@ def _check_block(value: int, block: int, what: str) -> None:
 
 
 def moe_shape(cfg: ModelConfig, tp: int = 1, ep: int = 1, dtype: Optional[str] = None) -> MoEShape:
-    """Fused-MoE shape on one rank. dtype: fp8_w8a8 | bf16 (default: the checkpoint's)."""
+    """Fused-MoE shape on one rank. dtype: fp8_w8a8 | bf16 | w4afp8 (INT4 experts, kernels/fused_moe_w4a8.py;
+    its files have no block_shape part, like bf16's) (default: the checkpoint's)."""
     if not cfg.n_routed_experts:
         raise UsageError("this model has no routed experts: nothing for tune-moe to tune")
     if ep < 1 or tp < 1 or tp % ep:
         raise UsageError(f"--ep {ep} must be >= 1 and divide --tp {tp} (EP ranks are a subset of the TP ranks)")
-    dtype = dtype or ("fp8_w8a8" if cfg.fp8 else "bf16")
+    dtype = dtype or ("w4afp8" if cfg.experts_int4_group else "fp8_w8a8" if cfg.fp8 else "bf16")
     if dtype not in MOE_DTYPES:
         raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(MOE_DTYPES)}")
     e = _split(cfg.n_routed_experts, ep, "n_routed_experts", "--ep")
@@ -120,6 +123,9 @@ def moe_shape(cfg: ModelConfig, tp: int = 1, ep: int = 1, dtype: Optional[str] =
     if dtype == "fp8_w8a8":
         block = (cfg.fp8.block_n, cfg.fp8.block_k) if cfg.fp8 else (128, 128)
         _check_block(n, block[0], "the per-rank moe_intermediate_size")
+    if dtype == "w4afp8" and (cfg.hidden_size % INT4_GROUP or (n % INT4_GROUP and INT4_GROUP % n)):
+        raise UsageError(f"--dtype w4afp8: hidden_size {cfg.hidden_size} and the per-rank moe_intermediate_size {n} "
+                         f"must hold whole INT4 groups of {INT4_GROUP} (or n lie inside one)")
     routing = Routing(n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, method=cfg.topk_method,
                       n_group=cfg.n_group, topk_group=cfg.topk_group, scoring_func=cfg.scoring_func,
                       norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor)
@@ -131,13 +137,19 @@ def _linear_layers(cfg: ModelConfig, tp: int) -> list[tuple[str, int, int]]:
     """(name, N, K) of every FP8 linear layer on one rank."""
     h = _split(cfg.num_attention_heads, tp, "num_attention_heads", "--tp")
     hidden = cfg.hidden_size
+    kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    block_n = cfg.fp8.block_n if cfg.fp8 else 128
     rows: list[tuple[str, int, int]] = []
+    if cfg.q_lora_rank and cfg.q_lora_rank % block_n == 0:  # replicated, merged as MLA.merge_qkv_a does
+        rows.append(("qkv_a_proj", cfg.q_lora_rank + kv_a, hidden))
+    elif cfg.q_lora_rank:
+        rows.append(("q_a_proj", cfg.q_lora_rank, hidden))
     if cfg.q_lora_rank:
-        rows.append(("q_a_proj", cfg.q_lora_rank, hidden))  # replicated
         rows.append(("q_b_proj", h * cfg.qk_head_dim, cfg.q_lora_rank))  # column
     else:
         rows.append(("q_proj", h * cfg.qk_head_dim, hidden))  # column
-    rows.append(("kv_a_proj_with_mqa", cfg.kv_lora_rank + cfg.qk_rope_head_dim, hidden))  # replicated
+    if not (cfg.q_lora_rank and cfg.q_lora_rank % block_n == 0):
+        rows.append(("kv_a_proj_with_mqa", kv_a, hidden))  # replicated
     rows.append(("kv_b_proj", h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank))  # column
     rows.append(("o_proj", hidden, h * cfg.v_head_dim))  # row
     if cfg.first_k_dense_replace > 0 or not cfg.n_routed_experts:

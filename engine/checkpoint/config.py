@@ -90,6 +90,9 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
     fp8: Optional[Fp8Config] = None
+    # W4AFP8: routed experts stored as INT4 (K groups of this many, one scale each) with FP8 activations,
+    # the other linears block FP8 (a `w4afp8` checkpoint, or --quantization w4afp8); None: experts like the rest
+    experts_int4_group: Optional[int] = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived ----------------------------------------------------------
@@ -120,6 +123,10 @@ class ModelConfig:
 
     def with_num_layers(self, n: int) -> "ModelConfig":
         return replace(self, num_hidden_layers=n)
+
+    def with_int4_experts(self, group: int = 128) -> "ModelConfig":
+        """This model with W4AFP8 routed experts (a checkpoint's own group size is kept)."""
+        return replace(self, experts_int4_group=self.experts_int4_group or group)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -156,12 +163,12 @@ def _parse_fp8(cfg: dict) -> Optional[Fp8Config]:
     if not q:
         return None
     method = q.get("quant_method")
-    if method != "fp8":
+    if method not in ("fp8", "w4afp8"):
         raise ConfigError(
             f"config.json: quantization_config.quant_method {method!r} is not supported "
-            "(supported: 'fp8' with weight_block_size [128, 128])"
+            "(supported: 'fp8' with weight_block_size [128, 128], and 'w4afp8')"
         )
-    block = q.get("weight_block_size")
+    block = q.get("weight_block_size") or ([128, 128] if method == "w4afp8" else None)
     if not block or len(block) != 2:
         raise ConfigError("config.json: FP8 quantization_config needs weight_block_size [N, K] (block-wise FP8)")
     fmt = q.get("fmt", "e4m3")
@@ -169,6 +176,12 @@ def _parse_fp8(cfg: dict) -> Optional[Fp8Config]:
         raise ConfigError(f"config.json: FP8 format {fmt!r} is not supported (only e4m3)")
     return Fp8Config(block_n=int(block[0]), block_k=int(block[1]), fmt=fmt,
                      activation_scheme=q.get("activation_scheme", "dynamic"))
+
+
+def _int4_group(cfg: dict) -> Optional[int]:
+    """The INT4 expert group of a W4AFP8 checkpoint (SGLang's `w4afp8` method: 128 unless given)."""
+    q = cfg.get("quantization_config") or {}
+    return int(q.get("group_size") or 128) if q.get("quant_method") == "w4afp8" else None
 
 
 def _eos(cfg: dict) -> Optional[int]:
@@ -245,6 +258,7 @@ def parse_config(cfg: dict) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=_eos(cfg),
         fp8=_parse_fp8(cfg),
+        experts_int4_group=_int4_group(cfg),
         raw=cfg,
     )
 

@@ -13,6 +13,7 @@ and chat work on every registry alias. `tokenizer_source` says which one it is.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
@@ -101,14 +102,35 @@ def _cached_snapshot(repo_id: str, revision: Optional[str]) -> Optional[Path]:
 
     try:
         return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
-    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):  # ValueError: a malformed id
         return None
+
+
+# A hub repo id: "org/name", each part letters, digits, '-', '_', '.', not starting or ending with '-' or '.'.
+_REPO_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?"
+_REPO_ID = re.compile(rf"{_REPO_PART}/{_REPO_PART}")
+_PATH_PREFIXES = ("/", "./", "../", "~", ".\\")
+
+
+def _check_model_form(model: str, local: Path) -> None:
+    """A one-line UsageError for a --model that is neither an existing directory nor a well-formed repo id."""
+    if not model.strip():
+        raise UsageError("--model must not be empty")
+    if local.exists() and not local.is_dir():
+        raise UsageError(f"--model {model}: is a file; give the checkpoint directory that holds config.json")
+    if model.startswith(_PATH_PREFIXES) or model.count("/") > 1:
+        raise UsageError(f"--model {model}: no such directory ({local.absolute()})")
+    if "/" in model and not _REPO_ID.fullmatch(model):
+        raise UsageError(f"--model {model}: not a hub repo id (org/name: letters, digits, '-', '_', '.') "
+                         "and not an existing directory")
 
 
 def resolve_model(args: ModelArgs) -> ResolvedModel:
     dummy = args.load_format == "dummy"
     entry = lookup(args.model)
     local = Path(args.model).expanduser()
+    if entry is None and not (args.model.strip() and local.is_dir()):
+        _check_model_form(args.model, local)
     if entry is not None and entry.builtin:
         path = builtin_path(entry)
         cfg = load_config(path)

@@ -48,8 +48,10 @@ class Tokenizer:
             return partial(self._fast.decode, skip_special_tokens=skip_special_tokens)
         return partial(self.decode, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> list[int]:
+        """The rendered conversation's token ids; `variables` reach the template (V3.1: thinking=True)."""
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **variables)
         return self.encode(text, add_special_tokens=False)
 
     def eos_ids(self) -> set[int]:

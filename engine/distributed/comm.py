@@ -15,6 +15,10 @@ Host-side collectives (the gloo `cpu_group`):
 - `gather_objects(obj, group)`: every rank's picklable object on group rank 0 (None elsewhere);
 - `barrier(group)`.
 
+`all_reduce` is the 'torch' all-reduce backend; --all-reduce-backend custom
+(engine/distributed/custom_all_reduce.py) runs peer-memory kernels for small messages between the GPUs
+of one node and calls it for everything else.
+
 Every function returns at once at group size 1, touching no torch.distributed state, so the
 single-process path costs nothing and needs no process group.
 

@@ -22,6 +22,13 @@ the matching input columns, and one all-reduce sums the ranks' o_proj outputs. `
 is the local head count, which is all the backends see; the latent KV cache is the
 whole latent on every rank.
 
+q_a_proj and kv_a_proj_with_mqa read the same input: after loading, `merge_qkv_a` (engine/model/builder.py's
+post-load step) stacks them into one qkv_a_proj (q_lora_rank + kv_lora_rank + qk_rope_head_dim rows; one GEMM
+and one FP8 activation quantisation instead of two; tuning/shapes.py: "qkv_a_proj"). Both are replicated,
+so every rank merges its whole copies; loading and dummy weights fill the two checkpoint tensors before.
+V2-Lite (no q_lora_rank) keeps q_proj and kv_a_proj_with_mqa apart. The layer input and q_a's norm reach
+their FP8 GEMMs through RMSNorm.for_linear (fused with the activation quantisation where the kernels say so).
+
 With --disable-mla (`ctx.expanded_kv`) the layer instead caches each head's expanded
 key and value and runs plain multi-head attention: engine/model/attention_expanded.py.
 """
@@ -38,7 +45,7 @@ from engine.distributed.groups import TPGroup
 from engine.forward_batch import ForwardBatch
 from engine.model.context import ForwardContext
 from engine.model.kernel_set import REFERENCE, Kernels
-from engine.model.layers import Linear, RMSNorm, solo_group, tp_local
+from engine.model.layers import Activation, Linear, RMSNorm, solo_group, tp_local
 
 
 class MLA(nn.Module):
@@ -62,6 +69,7 @@ class MLA(nn.Module):
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, fp8_block,
                                          kernels)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype, kernels)
+        self.qkv_a_proj: Optional[Linear] = None  # q_a_proj and kv_a_proj_with_mqa stacked, by merge_qkv_a
         self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (self.nope + self.v_dim), dtype, fp8_block, kernels)
         self.o_proj = Linear(h * self.v_dim, cfg.hidden_size, dtype, fp8_block, kernels)
         # Absorbed per-head weights, filled by absorb() after loading.
@@ -89,20 +97,55 @@ class MLA(nn.Module):
         self.w_vc_fp8 = q[:, self.nope:].transpose(1, 2)  # [H, kv_lora, v] = [H, K, N]
         self.w_vc_scale = s[:, nb:].transpose(1, 2)
 
+    def merge_qkv_a(self) -> None:
+        """Replace q_a_proj and kv_a_proj_with_mqa by one qkv_a_proj holding both (q_a rows first). FP8 weights
+        merge when q_a's rows are whole scale blocks (DeepSeek-V2/V3: 1536 = 12 x 128), so kv_a's scale rows
+        (576 rows: 5, the last covering 64) follow q_a's on a block boundary; otherwise they stay apart."""
+        if not hasattr(self, "q_a_proj"):
+            return  # no q_lora_rank (V2-Lite): q_proj is split by heads, kv_a is not
+        q_a, kv_a = self.q_a_proj, self.kv_a_proj_with_mqa
+        block = q_a.fp8_block
+        if block is not None and q_a.out_features % block[0]:
+            return
+        with torch.device("meta"):  # shapes only: the parameters are replaced just below
+            merged = Linear(q_a.in_features, q_a.out_features + kv_a.out_features, q_a.weight.dtype, block,
+                            self.kernels)
+        merged.weight = nn.Parameter(torch.cat([q_a.weight, kv_a.weight]), requires_grad=False)
+        if block is not None:
+            merged.weight_scale_inv = nn.Parameter(torch.cat([q_a.weight_scale_inv, kv_a.weight_scale_inv]),
+                                                   requires_grad=False)
+        del self.q_a_proj, self.kv_a_proj_with_mqa
+        self.qkv_a_proj = merged
+
+    def input_linears(self) -> tuple[Linear, ...]:
+        """The linears that read the layer's (normalised) input, for RMSNorm.for_linear."""
+        if self.qkv_a_proj is not None:
+            return (self.qkv_a_proj,)
+        return (self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj, self.kv_a_proj_with_mqa)
+
+    def project(self, x: Activation) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, H_local * qk_head_dim], latent [T, kv_lora_rank + rope] (c_kv before its norm)."""
+        if self.qkv_a_proj is not None:
+            q_lora = self.q_b_proj.in_features
+            q_a, latent = self.qkv_a_proj(x).split([q_lora, self.qkv_a_proj.out_features - q_lora], dim=-1)
+            return self.q_b_proj(self.q_a_layernorm.for_linear(q_a, self.q_b_proj)), latent
+        if hasattr(self, "q_a_proj"):
+            q = self.q_b_proj(self.q_a_layernorm.for_linear(self.q_a_proj(x), self.q_b_proj))
+        else:
+            q = self.q_proj(x)
+        return q, self.kv_a_proj_with_mqa(x)
+
     def expand_latent(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent [L, kv_lora] -> k_nope [L, H, nope], v [L, H, v] (non-absorbed path)."""
         kv = self.kv_b_proj(c_kv).view(-1, self.num_heads, self.nope + self.v_dim)
         return kv[..., : self.nope], kv[..., self.nope:]
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: Activation, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        """x: the normalised layer input [T, hidden] (or its FP8Input: RMSNorm.for_linear(input_linears()))."""
         t = x.shape[0]
-        if hasattr(self, "q_a_proj"):
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
+        q, latent = self.project(x)
         q = q.view(t, self.num_heads, self.nope + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
-        latent = self.kv_a_proj_with_mqa(x)
         c_kv = self.kv_a_layernorm(latent[:, : self.kv_lora_rank])
         k_pe = latent[:, self.kv_lora_rank:]
         q_pe = ctx.rotary.apply(q_pe, fb.positions)

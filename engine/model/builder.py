@@ -11,7 +11,8 @@
    (engine/weights/loader.py), or are dummy weights equal to the rank's slice of the TP-1
    dummy weights (engine/weights/dummy.py);
 4. MLA's absorbed w_kc / w_vc are derived from the rank's kv_b_proj heads, and each dense MLP's
-   gate and up projections are stacked into one (`MLP.merge_gate_up`).
+   gate and up projections are stacked into one (`MLP.merge_gate_up`), and so are MLA's q_a and kv_a
+   projections (`MLA.merge_qkv_a`).
 
 Every module runs the `Kernels` given (engine/model/kernel_set.py: what the runner resolved with the
 kernel registry); without them, what 'auto' picks for `device` (engine/model/kernel_registry.py).
@@ -96,11 +97,14 @@ def default_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.devic
 
 
 def derive_weights(modules: dict[str, torch.nn.Module]) -> None:
-    """After loading: MLA's absorbed w_kc / w_vc, each MLP's stacked gate_up_proj; eval mode."""
+    """After loading: MLA's absorbed w_kc / w_vc and stacked qkv_a_proj, each MLP's stacked gate_up_proj;
+    eval mode."""
     for mod in modules.values():
         for m in list(mod.modules()):
             if hasattr(m, "absorb"):
                 m.absorb()
+            if hasattr(m, "merge_qkv_a"):
+                m.merge_qkv_a()
             if isinstance(m, MLP):
                 m.merge_gate_up()
         mod.eval()

@@ -63,8 +63,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         if x.shape[0]:  # an idle DP-attention forward has no tokens: its attention group skips attention
-            x = x + self.self_attn(self.input_layernorm(x), fb, ctx)
-        h = self.post_attention_layernorm(x)
+            x = x + self.self_attn(self.input_layernorm.for_linear(x, *self.self_attn.input_linears()), fb, ctx)
+        if ctx.dp is None and not self.is_moe:  # the dense MLP's GEMM is the norm's only reader
+            h = self.post_attention_layernorm.for_linear(x, *self.mlp.input_linears())
+        else:
+            h = self.post_attention_layernorm(x)
         if ctx.dp is not None:
             h = ctx.dp.gather(h)
         out = self.mlp(h, ctx) if self.is_moe else self.mlp(h)

@@ -5,12 +5,18 @@ check and a factory, and what 'auto' means for it.
   attention   --attention-backend   torch (reference), triton (kernels/mla_*), flashinfer; with --disable-mla
                                     (KernelSetup.expanded_kv) torch and triton build the non-absorbed backends
                                     of engine/model/attention_expanded.py
-  moe         --moe-backend         torch (reference), triton (kernels/fused_moe)
+  moe         --moe-backend         torch (reference), triton (kernels/fused_moe; W4AFP8 experts:
+                                    kernels/fused_moe_w4a8, labelled "triton w4afp8")
   gemm        --gemm-backend        block-FP8 linear: cublas (Triton, cuBLASLt where the tuned config says
                                     CUBLAS), triton (Triton only), torch (dequantised reference)
   rms_norm    --rms-norm-backend    triton (kernels/rms_norm.py outside torch.compile), torch
+  norm_quant  --norm-quant-backend  an RMSNorm that feeds a block-FP8 GEMM fused with the GEMM's activation
+                                    quantisation: triton (kernels/rms_norm_quant.py), torch (its reference),
+                                    off (norm, then the GEMM quantises)
   moe_gate    --moe-gate-backend    triton (kernels/moe_gate.py), torch
-  all_reduce  (no flag)             torch (torch.distributed: NCCL on CUDA, gloo on CPU)
+  all_reduce  --all-reduce-backend  torch (torch.distributed: NCCL on CUDA, gloo on CPU), custom (peer-memory
+                                    one-shot / two-shot kernels for small messages within a node, NCCL
+                                    otherwise: engine/distributed/custom_all_reduce.py)
 
 `resolve_kernels` turns the requested names (KernelArgs.requested_kernels) into a `KernelChoice`:
 'auto' is decided by `auto_name`, here only, and every chosen implementation's check raises
@@ -22,13 +28,15 @@ attention and MoE backend objects are built with `OpRegistry.build` once the KV 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Callable, Optional
 
 import torch
 
 from engine.checkpoint.config import ModelConfig
 from engine.distributed import comm
+from engine.distributed.custom_all_reduce import AllReduceOp
+from engine.distributed.groups import TPGroup
 from engine.errors import UsageError
 from engine.memory.pools import KVPool, ReqToTokenPool
 from engine.model import fp8_ops, gate_ops, norm_ops
@@ -60,6 +68,7 @@ class KernelSetup:
     tp_size: int = 1  # tensor-parallel ranks: each rank's attention runs num_attention_heads / tp_size heads
     expanded_kv: bool = False  # --disable-mla: per-head K/V in the cache, no weight absorption
     fp8_block: Optional[tuple[int, int]] = None  # the block of weights kept FP8 (None: no FP8 linear runs)
+    group: Optional[TPGroup] = field(default=None, compare=False)  # the model's TP group (custom all-reduce)
 
     @property
     def cuda_graphs(self) -> bool:
@@ -133,6 +142,8 @@ def auto_name(op: str, setup: KernelSetup) -> str:
         return "triton" if cublas_unavailable_reason(setup.device) else "cublas"
     if op == "gemm":
         return "triton" if setup.interpret else "torch"
+    if op == "norm_quant":  # with the Triton FP8 GEMM (resolve_kernels turns it off with the torch GEMM)
+        return "triton" if setup.fp8_block is not None and (setup.cuda or setup.interpret) else "off"
     return "triton" if setup.cuda else "torch"
 
 
@@ -204,9 +215,14 @@ ATTENTION.register("torch", check_torch_graphs, torch_attention)
 ATTENTION.register("triton", check_triton("--attention-backend"), triton_attention)
 ATTENTION.register("flashinfer", check_flashinfer, flashinfer_attention)
 
+def moe_label(name: str) -> Callable[[KernelSetup], str]:
+    """The MoE backend's name, with "w4afp8" when the routed experts are INT4 (their own kernel and reference)."""
+    return lambda setup: f"{name} w4afp8" if setup.config.experts_int4_group else name
+
+
 MOE = OpRegistry("moe")
-MOE.register("torch", check_torch_graphs, lambda setup: TorchMoEBackend())
-MOE.register("triton", check_triton("--moe-backend"), lambda setup: TritonMoEBackend())
+MOE.register("torch", check_torch_graphs, lambda setup: TorchMoEBackend(), label=moe_label("torch"))
+MOE.register("triton", check_triton("--moe-backend"), lambda setup: TritonMoEBackend(), label=moe_label("triton"))
 
 GEMM = OpRegistry("gemm")
 GEMM.register("torch", no_check, returns(fp8_ops.torch_linear))
@@ -217,14 +233,23 @@ RMS_NORM = OpRegistry("rms_norm")
 RMS_NORM.register("torch", no_check, returns(norm_ops.torch_rms_norm))
 RMS_NORM.register("triton", check_triton("--rms-norm-backend"), returns(norm_ops.triton_rms_norm))
 
+NORM_QUANT = OpRegistry("norm_quant")
+NORM_QUANT.register("off", no_check, returns(None), label=lambda setup: "off")
+NORM_QUANT.register("torch", no_check, returns(norm_ops.torch_norm_quant))
+NORM_QUANT.register("triton", check_triton("--norm-quant-backend"), returns(norm_ops.triton_norm_quant))
+GEMM_Q = {"torch": fp8_ops.torch_linear_q, "triton": fp8_ops.triton_linear_q, "cublas": fp8_ops.cublas_linear_q}
+
 MOE_GATE = OpRegistry("moe_gate")
 MOE_GATE.register("torch", no_check, returns(gate_ops.torch_gate))
 MOE_GATE.register("triton", check_triton("--moe-gate-backend"), returns(gate_ops.triton_gate))
 
 ALL_REDUCE = OpRegistry("all_reduce")
 ALL_REDUCE.register("torch", no_check, returns(comm.all_reduce), label=process_group_backend)
+ALL_REDUCE.register("custom", no_check, lambda setup: AllReduceOp.open(setup.group, setup.device),
+                    label=lambda setup: "custom+nccl" if setup.cuda else "gloo (custom needs CUDA)")
 
-REGISTRIES: dict[str, OpRegistry] = {r.op: r for r in (ATTENTION, MOE, GEMM, RMS_NORM, MOE_GATE, ALL_REDUCE)}
+REGISTRIES: dict[str, OpRegistry] = {r.op: r for r in (ATTENTION, MOE, GEMM, RMS_NORM, MOE_GATE, ALL_REDUCE,
+                                                        NORM_QUANT)}
 
 
 @dataclass(frozen=True)
@@ -237,6 +262,7 @@ class KernelChoice:
     rms_norm: str = AUTO
     moe_gate: str = AUTO
     all_reduce: str = AUTO
+    norm_quant: str = AUTO
 
     def names(self) -> dict[str, str]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -246,14 +272,19 @@ def resolve_kernels(requested: dict[str, str], setup: KernelSetup) -> KernelChoi
     """Each op's implementation ('auto' resolved; ops not in `requested` are 'auto') after its start-up
     check, which rejects what cannot run here."""
     asked = KernelChoice(**requested).names()
-    return KernelChoice(**{op: REGISTRIES[op].resolve(name, setup) for op, name in asked.items()})
+    chosen = {op: REGISTRIES[op].resolve(name, setup) for op, name in asked.items()}
+    if asked["norm_quant"] == AUTO and chosen["gemm"] == "torch":  # the exact product quantises nothing
+        chosen["norm_quant"] = "off"
+    return KernelChoice(**chosen)
 
 
 def build_kernels(choice: KernelChoice, setup: KernelSetup) -> Kernels:
     """The per-call ops' callables of a resolved choice, for the model's modules."""
     return Kernels(gemm=GEMM.build(choice.gemm, setup), rms_norm=RMS_NORM.build(choice.rms_norm, setup),
                    moe_gate=MOE_GATE.build(choice.moe_gate, setup),
-                   all_reduce=ALL_REDUCE.build(choice.all_reduce, setup))
+                   all_reduce=ALL_REDUCE.build(choice.all_reduce, setup),
+                   norm_quant=NORM_QUANT.build(choice.norm_quant, setup),
+                   gemm_q=GEMM_Q[choice.gemm] if choice.norm_quant != "off" else None)
 
 
 def auto_kernels(setup: KernelSetup) -> Kernels:

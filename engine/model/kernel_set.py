@@ -4,8 +4,9 @@ The kernel registry (engine/model/kernel_registry.py) resolves one name per op a
 (flags, 'auto', start-up checks) and `build_kernels` turns the names into a `Kernels`; the model
 builder hands that object to every module at construction (DeepseekForCausalLM -> layers), and each
 module calls its field: Linear `gemm` (block-FP8 weights only), RMSNorm `rms_norm`, MoE `moe_gate`,
-and every layer that reduces over its TP group `all_reduce`. Nothing is looked up per call and no
-module branches on the device.
+and every layer that reduces over its TP group `all_reduce`. `norm_quant` (None: off) fuses an RMSNorm with
+the FP8 quantisation of the block-FP8 GEMM it feeds; Linear then runs `gemm_q` on the quantised pair.
+Nothing is looked up per call and no module branches on the device.
 
 Modules built on their own (tests, meta-device shape checks) get `REFERENCE`: the torch form of
 every op, which runs anywhere.
@@ -27,6 +28,11 @@ Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]], tor
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # x, weight, eps
 Gate = Callable[[torch.Tensor, ModelConfig, Optional[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
 AllReduce = Callable[[torch.Tensor, TPGroup], torch.Tensor]  # sum over the group (identity at size 1)
+# x, weight, eps, group -> (q e4m3, group scales), or None where it does not run (then norm and GEMM apart)
+NormQuant = Callable[[torch.Tensor, torch.Tensor, float, int], Optional[tuple[torch.Tensor, torch.Tensor]]]
+# q, q_scale, w, w_scale, block, out dtype -> y: the block-FP8 linear of an activation quantised already
+GemmQ = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int], torch.dtype],
+                 torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,8 @@ class Kernels:
     rms_norm: Norm
     moe_gate: Gate  # router logits -> (weights, expert ids)
     all_reduce: AllReduce
+    norm_quant: Optional[NormQuant] = None  # None: an RMSNorm before a block-FP8 GEMM runs apart from it
+    gemm_q: Optional[GemmQ] = None  # the `gemm` of a quantised activation (set with norm_quant)
 
 
 REFERENCE = Kernels(gemm=fp8_ops.torch_linear, rms_norm=norm_ops.torch_rms_norm, moe_gate=gate_ops.torch_gate,

@@ -6,11 +6,16 @@ Block-FP8 shapes and dequantisation come from kernels/fp8_math.py. The kernels e
 (the block-FP8 GEMM, RMSNorm, the all-reduce) are the `Kernels` it is given at construction
 (engine/model/kernel_set.py; default: the torch reference of each). Collectives at TP size 1
 return their input untouched, so the unsplit model runs exactly as before.
+
+An RMSNorm whose output only block-FP8 linears read (`RMSNorm.for_linear`) may hand them an `FP8Input`
+instead, the quantised activation of `kernels.norm_quant` (one kernel for the norm and the GEMM's FP8
+quantisation), which `Linear` multiplies with `kernels.gemm_q`.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +60,23 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPGrou
     return comm.all_gather_last_dim(F.linear(hidden, weight), tp).float()
 
 
+@dataclass(frozen=True)
+class FP8Input:
+    """An activation quantised for block-FP8 linears: q [M, K] e4m3 and its 1 x group float32 scales
+    [M, ceil(K / group)]; `dtype` is that of the activation it stands for (the linears' output dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+Activation = Union[torch.Tensor, FP8Input]
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, cast back to the input dtype before the weight (as HF does), by
     `kernels.rms_norm`."""
@@ -67,6 +89,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.rms_norm(x, self.weight, self.eps)
+
+    def for_linear(self, x: torch.Tensor, *linears: "Linear") -> Activation:
+        """The norm of x [M, K] for `linears`, its only readers: quantised by the fused kernel
+        (`kernels.norm_quant`) when every one is a block-FP8 linear of the same K group, else the norm."""
+        blocks = {lin.fp8_block for lin in linears}
+        if self.kernels.norm_quant is None or len(blocks) != 1 or None in blocks or x.dim() != 2:
+            return self(x)
+        pair = self.kernels.norm_quant(x, self.weight, self.eps, blocks.pop()[1])
+        if pair is None:  # the kernel does not run here (torch.compile, an input it does not take)
+            return self(x)
+        return FP8Input(*pair, torch.promote_types(self.weight.dtype, x.dtype))
 
 
 class Linear(nn.Module):
@@ -93,7 +126,9 @@ class Linear(nn.Module):
             return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
         return dequant_block_fp8(self.weight, self.weight_scale_inv, self.fp8_block, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Activation) -> torch.Tensor:
+        if isinstance(x, FP8Input):  # RMSNorm.for_linear quantised it (only for block-FP8 weights)
+            return self.kernels.gemm_q(x.q, x.scale, self.weight, self.weight_scale_inv, self.fp8_block, x.dtype)
         if self.fp8_block is None:
             return F.linear(x, self.weight)
         return self.kernels.gemm(x, self.weight, self.weight_scale_inv, self.fp8_block)
@@ -138,7 +173,11 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
         self.gate_up_proj = merged
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def input_linears(self) -> tuple[Linear, ...]:
+        """The linears that read the MLP's input (for RMSNorm.for_linear)."""
+        return (self.gate_up_proj,) if self.gate_up_proj is not None else (self.gate_proj, self.up_proj)
+
+    def forward(self, x: Activation) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).split(self.local, dim=-1)
         else:

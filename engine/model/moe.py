@@ -8,6 +8,13 @@ kernel; chosen by name in engine/model/kernel_registry.py; the protocol is in
 engine/model/context.py). The router's top-k (`kernels.moe_gate`) and the all-reduce are the
 `Kernels` the layer is given at construction (engine/model/kernel_set.py).
 
+W4AFP8 (`cfg.experts_int4_group`: a w4afp8 checkpoint or --quantization w4afp8): the routed experts
+are INT4, packed two per byte along K (kernels/int4.py): w13 int8 [E, 2N, K/2] with float32 scales
+[E, 2N, K/G] and w2 int8 [E, K, N/2] with scales [E, K, N/G2], and run kernels/fused_moe_w4a8.py (FP8
+activations); the shared experts stay what the other linears are. TP splits w13 by rows (scales with
+them) and w2 by its packed K columns: a rank's N/tp columns are whole groups, or (N/tp < G, e.g. small
+test models) lie inside one group, whose scale the rank keeps (G2 = min(G, N/tp)).
+
 Tensor parallelism splits every routed expert along its intermediate size (w13: this
 rank's N / tp gate rows then its N / tp up rows; w2: the matching columns) and the shared
 experts like a dense MLP; the router stays replicated, so every rank routes every token
@@ -34,12 +41,14 @@ from torch import nn
 
 from engine.checkpoint.config import ModelConfig
 from engine.distributed.groups import TPGroup
+from engine.errors import UsageError
 from engine.model.context import ForwardContext
 from engine.model.gate_ops import torch_gate
 from engine.model.kernel_set import REFERENCE, Gate, Kernels
 from engine.model.layers import MLP, solo_group, tp_local
 from kernels.fp8_math import FP8_DTYPE, WEIGHT_BLOCK, block_scale_shape
 from kernels.fused_moe import fused_moe, fused_moe_ref
+from kernels.fused_moe_w4a8 import fused_moe_w4a8, fused_moe_w4a8_ref
 
 
 def select_experts(logits: torch.Tensor, cfg: ModelConfig, bias: Optional[torch.Tensor],
@@ -76,20 +85,34 @@ class MoE(nn.Module):
             nn.Parameter(torch.empty(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
             if cfg.topk_method == "noaux_tc" else None
         )
-        wdtype = FP8_DTYPE if fp8_block else dtype
-        self.w13 = nn.Parameter(torch.empty(e, 2 * n, k, dtype=wdtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, k, n, dtype=wdtype), requires_grad=False)
-        if fp8_block:
-            self.w13_scale = nn.Parameter(torch.empty(block_scale_shape(self.w13.shape, fp8_block)),
-                                          requires_grad=False)
-            self.w2_scale = nn.Parameter(torch.empty(block_scale_shape(self.w2.shape, fp8_block)), requires_grad=False)
+        self.int4_groups = int4_groups(cfg.experts_int4_group, k, n) if cfg.experts_int4_group else None
+        if self.int4_groups:
+            self._int4_params(e, k, n)
         else:
-            self.w13_scale = self.w2_scale = None
+            self._expert_params(e, k, n, FP8_DTYPE if fp8_block else dtype)
         self.shared_experts = (
             MLP(k, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block, self.tp, reduce=False,
                 kernels=kernels)
             if cfg.n_shared_experts else None
         )
+
+    def _expert_params(self, e: int, k: int, n: int, wdtype: torch.dtype) -> None:
+        self.w13 = nn.Parameter(torch.empty(e, 2 * n, k, dtype=wdtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, k, n, dtype=wdtype), requires_grad=False)
+        self.w13_scale = self.w2_scale = None
+        if self.fp8_block:
+            self.w13_scale = nn.Parameter(torch.empty(block_scale_shape(self.w13.shape, self.fp8_block)),
+                                          requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.empty(block_scale_shape(self.w2.shape, self.fp8_block)),
+                                         requires_grad=False)
+
+    def _int4_params(self, e: int, k: int, n: int) -> None:
+        """W4AFP8 routed experts: packed INT4 weights and their group scales."""
+        g1, g2 = self.int4_groups
+        self.w13 = nn.Parameter(torch.empty(e, 2 * n, k // 2, dtype=torch.int8), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, k, n // 2, dtype=torch.int8), requires_grad=False)
+        self.w13_scale = nn.Parameter(torch.empty(e, 2 * n, k // g1), requires_grad=False)
+        self.w2_scale = nn.Parameter(torch.empty(e, k, n // g2), requires_grad=False)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate_weight.float())
@@ -102,10 +125,24 @@ class MoE(nn.Module):
         return self.kernels.all_reduce(out, self.tp)
 
 
+def int4_groups(group: int, k: int, n: int) -> tuple[int, int]:
+    """(G1, G2): the INT4 K groups of w13 (along hidden K) and of this rank's w2 (along its n columns)."""
+    if k % group:
+        raise UsageError(f"W4AFP8: hidden_size {k} is not a multiple of the INT4 group {group}")
+    if n % group and group % n:
+        raise UsageError(f"W4AFP8: this rank's moe_intermediate_size share {n} neither holds whole INT4 groups of "
+                         f"{group} nor lies inside one: use another --tp, or --ep-size (whole experts per rank)")
+    return group, min(group, n)
+
+
 class TorchMoEBackend:
-    """Reference: kernels.fused_moe_ref (a loop over the experts that received tokens)."""
+    """Reference: kernels.fused_moe_ref (a loop over the experts that received tokens), or
+    kernels.fused_moe_w4a8_ref for W4AFP8 experts."""
 
     def experts(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if moe.int4_groups:
+            return fused_moe_w4a8_ref(x, moe.w13, moe.w2, ids, weights, w13_scale=moe.w13_scale,
+                                      w2_scale=moe.w2_scale)
         return fused_moe_ref(x, moe.w13, moe.w2, ids, weights, w13_scale=moe.w13_scale, w2_scale=moe.w2_scale,
                              block_shape=moe.fp8_block or WEIGHT_BLOCK)
 
@@ -115,5 +152,7 @@ class TritonMoEBackend:
 
     @torch.compiler.disable
     def experts(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if moe.int4_groups:
+            return fused_moe_w4a8(x, moe.w13, moe.w2, ids, weights, w13_scale=moe.w13_scale, w2_scale=moe.w2_scale)
         return fused_moe(x, moe.w13, moe.w2, ids, weights, w13_scale=moe.w13_scale, w2_scale=moe.w2_scale,
                          block_shape=moe.fp8_block or WEIGHT_BLOCK)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -32,6 +32,8 @@ from engine.distributed.dp_sync import DPSync, IdleForward
 from engine.distributed.groups import ParallelState, single_process
 from engine.errors import UsageError
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.memory.plan import kv_pool_tokens, plan_memory, spec_from_args
+from engine.memory.plan_check import judge
 from engine.memory.pools import KVPool, ReqToTokenPool, kv_row_dim
 from engine.model.builder import build_model
 from engine.model.context import ForwardContext
@@ -55,6 +57,7 @@ from engine.runner.triton_precompile import (
     record,
 )
 from engine.weights.loader import iter_params
+from engine.weights.w4afp8 import with_int4_experts
 from kernels import tuned_configs
 from kernels.fp8_math import WEIGHT_BLOCK
 from kernels.interpret import interpreting
@@ -124,6 +127,7 @@ class ModelRunner:
         self.args = args
         tuned_configs.set_user_config_dir(args.kernels.config_dir())
         self.resolved = resolved or resolve_model(args.model)
+        self.resolved = replace(self.resolved, config=with_int4_experts(self.resolved.config, args.model.quantization))
         cfg = self.resolved.config
         self.device = pick_device(args.model.device) if parallel is None else parallel.device
         self.parallel = parallel or single_process(self.device)
@@ -137,7 +141,7 @@ class ModelRunner:
         self.setup = KernelSetup(self.config, self.device, self.dtype, self._kv_dtype(),
                                  tuple(self._graph_batch_sizes()), interpreting(),
                                  tp_size=self.parallel.tp.attention.size, expanded_kv=args.kernels.disable_mla,
-                                 fp8_block=self.fp8_block)
+                                 fp8_block=self.fp8_block, group=self.parallel.tp)
         self.kernel_choice = self._pick_backends()
         self.kernels = build_kernels(self.kernel_choice, self.setup)
         phases = {}
@@ -248,6 +252,8 @@ class ModelRunner:
         size = self.args.cache.max_total_tokens or self._default_kv_tokens(cache_layers, kv_dtype)
         # every rank of a TP (or DP-attention) group holds the same token slots; DP groups have their own pools
         size = all_reduce_min_int(size, self.parallel.tp.attention)
+        if self.device.type == "cuda" and self.args.cache.max_total_tokens is None:
+            self._check_pool(size)
         self.kv_pool = KVPool(cache_layers, size, self.kv_row_dim, kv_dtype, self.device)
         rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, self.max_model_len + 1, self.device)
         attention = ATTENTION.build(self.kernel_choice.attention, self.setup, self.kv_pool, self.req_to_token)
@@ -261,13 +267,26 @@ class ModelRunner:
             return DEFAULT_CPU_KV_TOKENS
         per_token = cache_layers * self.kv_row_dim * torch.finfo(kv_dtype).bits // 8
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * self.args.cache.mem_fraction_static - (total - free)
-        if budget < per_token * 1024:
-            raise UsageError(
-                f"after loading the weights only {budget / 2**30:.1f} GiB of the --mem-fraction-static "
-                f"{self.args.cache.mem_fraction_static} budget is left for the KV cache: raise it, use fewer "
-                "--num-layers, or set --max-total-tokens")
-        return int(budget // per_token)
+        # the memory plan's rule (engine/memory/plan.py); too few tokens: `_check_pool` refuses, with the fixes
+        return kv_pool_tokens(total, total - free, self.args.cache.mem_fraction_static, per_token)
+
+    def _check_pool(self, size: int) -> None:
+        """The memory plan's rules (engine/memory/plan_check.py) on the pool just sized, with the smallest DP
+        group's real token count: refuse (UsageError naming the fixes and their KV tokens), or serve with the
+        context limit it allows; the warnings are logged by rank 0."""
+        tp = self.parallel.tp
+        pool = all_reduce_min_int(size, tp)
+        spec = spec_from_args(self.args, self.config, tp=tp.size, dp=tp.dp_size, ep=tp.ep_size,
+                              fp8_block=self.fp8_block, mtp=self.mtp is not None,
+                              gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
+                              gpus_per_node=max(1, torch.cuda.device_count()))
+        verdict = judge(plan_memory(spec), pool=pool)
+        if not verdict.fits:
+            raise UsageError(verdict.reason)
+        if self.parallel.world_rank == 0:
+            for warning in verdict.warnings:
+                log.warning(warning)
+        self.max_model_len = verdict.context_limit
 
     def build_graph_runner(self, batch_sizes: list[int], capture: bool = True) -> None:
         """Decode at `batch_sizes` through padded static batches: CUDA graphs (torch.compile'd below

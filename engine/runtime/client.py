@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from engine.args import EngineArgs
+from engine.grammar.spec import GrammarSpec
 from engine.runtime.protocol import (
     AbortRequest,
     AddFailed,
@@ -118,15 +119,17 @@ class EngineClient:
         if self.info is None:
             raise EngineUnavailable("the engine is still loading the model")
         limit = self.args.server.max_queued_requests
-        if limit is not None and len(self.pending) + n > limit:
+        if limit and len(self.pending) + n > limit:  # 0: unbounded
             raise QueueFull(f"{len(self.pending)} requests are already waiting (--max-queued-requests {limit})")
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: asyncio.Queue, tag: int) -> str:
-        """Send one sequence to the engine; its outputs arrive on sink as (tag, item)."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: asyncio.Queue, tag: int,
+               grammar: Optional[GrammarSpec] = None) -> str:
+        """Send one sequence to the engine (its output constrained by `grammar`, if given); its outputs arrive
+        on sink as (tag, item)."""
         rid = f"r{next(self._ids)}"
         self._routes[rid] = _Route(sink, tag)
         self.pending.add(rid)
-        self._outq.put(AddRequest(rid, list(prompt_ids), params))
+        self._outq.put(AddRequest(rid, list(prompt_ids), params, grammar=grammar))
         return rid
 
     def abort(self, rid: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from engine.grammar.spec import GrammarSpec
 from engine.sampling import SamplingParams
 from engine.scheduler.output import RequestOutput
 
@@ -24,6 +25,7 @@ class AddRequest:
     prompt_ids: list[int]
     params: SamplingParams
     dp_rank: Optional[int] = None  # DP attention: run on this DP group (None: the controller's policy picks)
+    grammar: Optional[GrammarSpec] = None  # constrain the output (engine/grammar)
 
 
 @dataclass

@@ -99,7 +99,7 @@ class EngineLoop:
 
     def _add(self, msg: protocol.AddRequest) -> None:
         try:
-            req = self.engine.make_request(msg.prompt_ids, msg.params, rid=msg.rid)
+            req = self.engine.make_request(msg.prompt_ids, msg.params, rid=msg.rid, grammar=msg.grammar)
             self.engine.scheduler.add(req)
         except DsctlError as exc:
             self._send(protocol.AddFailed(msg.rid, str(exc), user_error=True))

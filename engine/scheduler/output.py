@@ -29,6 +29,7 @@ class RequestOutput:
     matched_stop: Union[int, str, None] = None
     stop_text: Optional[str] = None  # the whole output text, cut before a matched stop string
     error: Optional[str] = None  # with finish_reason "error": what failed (the step's exception)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -49,12 +50,14 @@ class CollectedOutput:
     matched_stop: object = None
     stop_text: Optional[str] = None
     error: Optional[str] = None
+    cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def add(self, out: RequestOutput) -> None:
+        self.cached_tokens = out.cached_tokens
         self.output_ids += out.new_token_ids
         if out.new_logprobs is not None:
             self.logprobs += out.new_logprobs

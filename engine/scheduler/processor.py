@@ -3,7 +3,8 @@
 The scheduler decides what runs and launches forwards; when a step's samples are
 resolved it hands them here. Updating state: append the token to the request;
 finish on EOS (unless ignore_eos), a stop token id, a stop string (matched
-incrementally, stops.py), max_new_tokens or the context length; mark the prompt
+incrementally, stops.py; none of these before min_tokens output tokens),
+max_new_tokens or the context length; mark the prompt
 log-probs done after a prompt's last chunk; record the finishes the scheduler
 decides (abort, KV pool too small, max_new_tokens 0, a failed step: reason
 "error" with its message). A request whose update raises (a tokenizer error in
@@ -83,29 +84,30 @@ class OutputProcessor:
                 if d.new_top_logprobs is not None:
                     d.new_top_logprobs.append(top)
         p = req.params
-        if (tok in self.eos_ids and not p.ignore_eos) or (p.stop_token_ids and tok in p.stop_token_ids):
+        early = len(ids) - req.prompt_len < p.min_tokens  # no stop of any kind before min_tokens
+        if not early and ((tok in self.eos_ids and not p.ignore_eos) or (p.stop_token_ids and tok in p.stop_token_ids)):
             self.finish(req, "stop", tok)
             return
-        hit = self._stop_string(req, tok) if p.stop else None
+        hit = self._stop_string(req, tok, not early) if p.stop else None
         if hit is not None:
             self.finish(req, "stop", *hit)
         elif len(ids) - req.prompt_len >= p.max_new_tokens or len(ids) >= self.max_model_len:
             self.finish(req, "length")
 
-    def _stop_string(self, req: "Request", tok: int) -> Optional[tuple[str, str]]:
+    def _stop_string(self, req: "Request", tok: int, match: bool) -> Optional[tuple[str, str]]:
         matcher = req.stop_matcher
         if matcher is None:
             if not any(req.params.stop):
                 return None
             matcher = req.stop_matcher = StopStrings(req.params.stop, self.tokenizer, req.params.skip_special_tokens)
-        return matcher.push(tok)
+        return matcher.push(tok, match)
 
     # ---- deltas ---------------------------------------------------------------------
     def _delta(self, req: "Request") -> RequestOutput:
         d = self._deltas.get(req.rid)
         if d is None:
             p = req.params
-            d = self._deltas[req.rid] = RequestOutput(req.rid)
+            d = self._deltas[req.rid] = RequestOutput(req.rid, cached_tokens=req.cached_tokens)
             if p.logprobs or p.top_logprobs:
                 d.new_logprobs = []
             if p.top_logprobs:

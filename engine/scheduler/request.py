@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from engine.grammar.matcher import RequestGrammar
 from engine.sampling import SamplingParams
 
 
@@ -52,6 +53,8 @@ class Request:
     stop_matcher: Optional[object] = None
     # Speculative decoding: draft-KV progress and pending target hidden states (engine/speculative/decoder.py).
     spec: Optional[object] = None
+    # Grammar-constrained output (engine/grammar/matcher.py): the request's matcher, or None.
+    grammar: Optional[RequestGrammar] = None
 
     @classmethod
     def new(cls, rid: str, prompt_ids: list[int], params: SamplingParams,

@@ -14,8 +14,9 @@ graphs); a mixed step runs eagerly, like every extend.
 
 Admission (`_build_extend`) takes waiting requests in policy order (fcfs or
 lpm) while the request table, --max-running-requests, the per-step prefill
-budget (--max-prefill-tokens, and --chunked-prefill-size when chunking) and KV
-memory allow. A request reuses the longest cached prefix of its tokens (at most
+budget (--max-prefill-tokens, and --chunked-prefill-size when chunking; while
+requests decode, the cap of prefill_budget.py that keeps a stream's inter-token gap
+within --itl-target-ms) and KV memory allow. A request reuses the longest cached prefix of its tokens (at most
 all but its last token) and reserves slots for the rest of its prompt at once; a
 prompt longer than the step budget is prefilled chunk by chunk across steps (one
 such request at a time). KV memory must also cover a reservation for the tokens
@@ -68,12 +69,16 @@ import torch
 
 from engine.args import SchedulerArgs
 from engine.forward_batch import ForwardBatch, ForwardMode, to_device
+from engine.grammar.matcher import GrammarMasks
+from engine.grammar.pending import PendingGrammars
 from engine.memory.request_memory import RequestMemory
 from engine.runner.model_runner import ModelRunner
 from engine.sampling import PendingSample, sample_async
 from engine.scheduler.admission import Reservation
+from engine.scheduler.history import sampling_history
 from engine.scheduler.output import RequestOutput
 from engine.scheduler.policy import POLICIES, order_waiting
+from engine.scheduler.prefill_budget import PrefillBudget
 from engine.scheduler.processor import OutputProcessor
 from engine.scheduler.prompt_check import PromptLimits, check_prompt
 from engine.scheduler.request import Request
@@ -93,6 +98,7 @@ class Launch:
     prompt_lp: list[tuple[Request, torch.Tensor, bool]] = field(default_factory=list)
     kind: str = "decode"  # step_times.KINDS
     launched: float = 0.0  # time.perf_counter() when scheduling it began
+    prompt_tokens: int = 0  # prompt tokens computed in this step (extend steps)
     done: Optional[torch.cuda.Event] = None  # CUDA: recorded after a step that samples nothing
 
 
@@ -134,10 +140,13 @@ class Scheduler:
         self._mix_after_failure = True  # False for one step after a mixed step failed: decodes go alone
         self._failed_in_a_row = 0
         self.spec = None  # speculative decoding (engine/speculative/decoder.py), attached by Engine
+        self.grammar_masks: Optional[GrammarMasks] = None  # grammar-constrained requests' masks, attached by Engine
+        self.compiling = PendingGrammars()  # requests whose grammar compiles, not queued until it is ready
         self._counters = {"prompt_tokens": 0, "prefix_cache_hit_tokens": 0, "retracted_requests": 0,
                           "extend_steps": 0, "decode_steps": 0, "mixed_steps": 0, "failed_steps": 0,
                           "failed_requests": 0}
         self.step_times = StepTimes()
+        self.prefill_budget = PrefillBudget(args.itl_target_ms, args.min_prefill_tokens)
         self._last_done = 0.0  # time.perf_counter() when the last step's results came in
 
     @property
@@ -152,10 +161,27 @@ class Scheduler:
         if req.params.max_new_tokens == 0:
             self.outputs.finish(req, "length")
             return
+        if req.grammar is not None and not req.grammar.ready:
+            self.compiling.add(req)
+            return
+        if req.grammar is not None:
+            req.grammar.start()
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling is not None or self._pending is not None)
+        return bool(self.waiting or self.running or self.prefilling is not None or self._pending is not None
+                    or self.compiling)
+
+    def _queue_compiled(self) -> None:
+        """Queue the requests whose grammar finished compiling; fail those whose compile failed. With nothing
+        else to run, wait a moment for a compile first (rather than spin)."""
+        if not (self.waiting or self.running or self.prefilling is not None or self._pending is not None):
+            self.compiling.wait()
+        for req, error in self.compiling.ready():
+            if error is None:
+                self.waiting.append(req)
+            else:
+                self.outputs.finish(req, "error", error=error)
 
     def abort(self, rid: str) -> None:
         self._abort(lambda req: req.rid == rid)
@@ -164,6 +190,8 @@ class Scheduler:
         self._abort(lambda req: True)
 
     def _abort(self, which) -> None:
+        for req in self.compiling.remove(which):
+            self.outputs.finish(req, "abort")
         for req in [r for r in self.waiting if which(r)]:
             self.waiting.remove(req)
             self.outputs.finish(req, "abort")
@@ -177,6 +205,8 @@ class Scheduler:
 
         A forward (or its sampling, or the reading of its results) that raises fails the requests of
         its batch, not the scheduler; see the module docstring."""
+        if self.compiling:
+            self._queue_compiled()
         t0 = time.perf_counter()
         try:
             launch = self._schedule_and_launch()
@@ -244,7 +274,10 @@ class Scheduler:
         if self.prefilling is not None or self.waiting:
             mixed = self._can_mix(decodable)
             if mixed or not (self._last_was_extend and decodable):
-                budget = self._step_budget() - (len(decodable) if mixed else 0)
+                budget = self._step_budget()
+                if self.chunked_prefill_size is not None:  # a cap on prompt tokens while streams wait
+                    budget = self.prefill_budget.tokens(budget, len(decodable))
+                budget -= len(decodable) if mixed else 0
                 chunks = self._build_extend(len(decodable), budget)
                 if chunks:
                     self._last_was_extend = True
@@ -252,7 +285,8 @@ class Scheduler:
         self._last_was_extend = False
         if decodable:
             if self.spec is not None:
-                if self.spec.speculates(len(decodable)):  # a speculative step replaces the decode step
+                # a speculative step replaces the decode step; not while a grammar constrains a request
+                if self.spec.speculates(len(decodable)) and not any(r.grammar is not None for r in decodable):
                     return self._launch_spec()
                 decodable = self._spec_catch_up(decodable)
             reqs = self._prepare_decode(decodable)
@@ -450,6 +484,7 @@ class Scheduler:
         if self.spec is not None:
             self.spec.after_extend(chunks, out)
         launch, last_rows, row = Launch(sampled=[], sample=None, kind="mixed" if decodes else "extend"), [], 0
+        launch.prompt_tokens = sum(c.end - c.start for c in chunks)
         for c in chunks:
             req, n = c.req, c.end - c.start
             if req.wants_prompt_logprobs:
@@ -516,7 +551,7 @@ class Scheduler:
         self._launching = reqs
         t0 = time.perf_counter()
         self.spec.step(reqs, self.outputs, self.mem)
-        self._step_done("spec", t0)
+        self._step_done(Launch(sampled=[], sample=None, kind="spec", launched=t0))
         self._counters["decode_steps"] += 1
         self.reservation.decode_step()
         self._failed_in_a_row = 0
@@ -540,14 +575,40 @@ class Scheduler:
         src = to_device([r.pending_row if r.pending else -1 for r in reqs], prev.device)  # not blocking
         return torch.where(src >= 0, prev[src.clamp(min=0)], host_ids)
 
-    def _step_done(self, kind: str, launched: float) -> None:
+    def _step_done(self, launch: Launch) -> None:
         """A step's results are in: its time from the later of its launch and the previous step's end."""
         now = time.perf_counter()
-        self.step_times.record(kind, now - max(launched, self._last_done))
+        seconds = now - max(launch.launched, self._last_done)
+        self.step_times.record(launch.kind, seconds)
+        self.prefill_budget.observe(launch.kind, launch.prompt_tokens, seconds)
         self._last_done = now
 
+    def _constrain(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Mask the logits of grammar-constrained requests (in place, on the device) before sampling. Their
+        previous token must be in their matcher first: with overlap, the step in flight is processed here
+        (its forward and this step's are already queued, so the device keeps working meanwhile)."""
+        if self._pending is not None and any(r.grammar is not None and r.pending for r in reqs):
+            launch, self._pending = self._pending, None
+            self._process(launch)
+        self.grammar_masks.apply(logits, [r.grammar for r in reqs])
+
+    def _advance_grammars(self, live: list[tuple[Request, int]]) -> None:
+        """Feed each appended token to its request's matcher; a completed grammar ends the request ("stop"),
+        a token the grammar refuses (not expected: the mask forbids it) fails it."""
+        for req, tok in live:
+            if not req.grammar.accept(tok):
+                if not req.finished:
+                    self.outputs.finish(req, "error", error=f"token {tok} does not match the request's grammar")
+            elif req.grammar.terminated and not req.finished:
+                self.outputs.finish(req, "stop", tok)
+
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> PendingSample:
-        res = sample_async(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        if any(r.grammar is not None for r in reqs):
+            self._constrain(reqs, logits)
+        pending = self._pending.sample if self._pending is not None else None
+        previous = pending.tokens if pending is not None else None
+        history = sampling_history(reqs, self.outputs.eos_ids, previous, logits.device)
+        res = sample_async(logits, [r.params for r in reqs], [r.generator for r in reqs], history)
         self.runner.share_sampled(res.tokens)  # TP: every rank continues with rank 0's tokens
         res.start_copy()
         for i, req in enumerate(reqs):
@@ -566,12 +627,15 @@ class Scheduler:
             if launch.sample is None:
                 if launch.done is not None:
                     launch.done.synchronize()
-                self._step_done(launch.kind, launch.launched)
+                self._step_done(launch)
                 return
             res = launch.sample.resolve()
         except Exception as exc:  # noqa: BLE001 - e.g. a device error that surfaces at the copy
             self._fail(launch.sampled + [req for req, _, _ in launch.prompt_lp], exc)
             return
-        self._step_done(launch.kind, launch.launched)
+        self._step_done(launch)
         self._failed_in_a_row = 0
+        live = [(r, t) for r, t in zip(launch.sampled, res.tokens) if r.grammar is not None and r.finish_reason is None]
         self.outputs.process(launch.sampled, res)
+        if live:
+            self._advance_grammars(live)

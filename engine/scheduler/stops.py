@@ -26,15 +26,16 @@ class StopStrings:
         self.older: list[str] = []  # text before the tail, in pieces
         self.tail = ""  # the last `keep` characters of the text emitted by the detokenizer
 
-    def push(self, token_id: int) -> Optional[tuple[str, str]]:
-        """Add one token; on a match return (the stop string, the whole text before it)."""
+    def push(self, token_id: int, match: bool = True) -> Optional[tuple[str, str]]:
+        """Add one token; on a match return (the stop string, the whole text before it). With match off
+        (before min_tokens) the text is only recorded; a stop string that ends later is still found."""
         detok = self.detok
         new = detok.push_one(token_id)
         held = detok.held
         if not new and not held:
             return None  # no text (a skipped special token)
         window = self.tail + new + held
-        hits = [(window.find(s), s) for s in self.stops if s in window]
+        hits = [(window.find(s), s) for s in self.stops if s in window] if match else []
         if hits:
             pos, stop = min(hits)
             return stop, "".join(self.older) + window[:pos]

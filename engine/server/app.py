@@ -1,17 +1,19 @@
 """The starlette application: routes, API-key check, JSON errors, engine lifecycle.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health (200 only while the engine is up, with the engine process's pid;
-never needs the API key),
-GET /metrics. Every error, including unknown routes and wrong methods, is an
-OpenAI-style JSON body. The lifespan starts the engine process on startup and
-stops it on shutdown.
+GET /health, GET /metrics. With an API key set every route needs it, except
+/health, which without the key says only `{"status": "ok"}` (200) or
+`{"status": "not ready"}` (503); with the key (or when no key is set) it also
+names the engine's pids, or says why it is not ready. Every error, including
+unknown routes and wrong methods, is an OpenAI-style JSON body. The lifespan
+starts the engine process on startup (and logs the URL once the engine is
+ready) and stops it on shutdown.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import hmac
 import logging
 
 from starlette.applications import Starlette
@@ -20,27 +22,39 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.args import EngineArgs
+from engine.args import EngineArgs, ServerArgs
 from engine.runtime.client import EngineClient
+from engine.server.auth import ApiKeyMiddleware, authorised
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
 from engine.server.errors import APIError, server_error
+from engine.server.limits import Limits
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.state import ServerState
 
 log = logging.getLogger("dsctl.server")
-OPEN_PATHS = ("/health",)
+ENGINE_EXIT_S = 5.0  # after the HTTP side has drained: how long the ranks get to exit before they are stopped
+FORCED_ENGINE_EXIT_S = 1.0  # the same after a second SIGTERM / Ctrl-C
 
 
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    if state.client.healthy:
+    ready = state.client.healthy and not state.draining
+    if not authorised(request.scope.get("headers"), state.api_key):
+        return JSONResponse({"status": "ok" if ready else "not ready"}, status_code=200 if ready else 503)
+    if ready:
         return JSONResponse({"status": "ok", "engine_pid": state.client.pid, "engine_pids": state.client.pids})
     try:
+        state.check_accepting()
         state.info()
     except APIError as exc:
         return exc.response()
     return JSONResponse({"status": "unavailable"}, status_code=503)
+
+
+def listen_url(args: ServerArgs) -> str:
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    return f"http://{host}:{args.port}"
 
 
 async def models(request: Request) -> Response:
@@ -55,25 +69,6 @@ async def models(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     state: ServerState = request.app.state.server
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-
-class ApiKeyMiddleware:
-    """Require `Authorization: Bearer <key>` on every HTTP route except /health (pure ASGI, streaming-safe)."""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.key = app, api_key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"")
-        scheme, _, token = auth.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-            err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           "invalid_request_error", None, "invalid_api_key")
-            return await err.response()(scope, receive, send)
-        return await self.app(scope, receive, send)
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
@@ -94,7 +89,8 @@ def build_app(args: EngineArgs, tokenizer, client: EngineClient | None = None) -
     """The ASGI app; the engine process starts with the app's lifespan."""
     client = client or EngineClient(args)
     state = ServerState(args=args.server, client=client, tokenizer=tokenizer, metrics=ServerMetrics(client),
-                        model_name=args.server.served_model_name or args.model.model, model_root=args.model.model)
+                        model_name=args.server.served_model_name or args.model.model, model_root=args.model.model,
+                        limits=Limits.of(args.server), api_key=args.server.key())
 
     def on_dead(startup: bool) -> None:
         # The model never loaded, or a rank died (its requests already got errors): nothing left to
@@ -105,13 +101,19 @@ def build_app(args: EngineArgs, tokenizer, client: EngineClient | None = None) -
 
     client.on_dead = on_dead
 
+    async def announce() -> None:
+        await client.ready.wait()
+        log.info("ready: serving %s at %s (OpenAI API under /v1)", state.model_name, listen_url(args.server))
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         client.start()
+        ready = asyncio.ensure_future(announce())
         try:
             yield
         finally:
-            await client.shutdown(timeout=30)
+            ready.cancel()
+            await client.shutdown(timeout=FORCED_ENGINE_EXIT_S if state.forced else ENGINE_EXIT_S)
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
@@ -123,6 +125,6 @@ def build_app(args: EngineArgs, tokenizer, client: EngineClient | None = None) -
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected})
     app.state.server = state
-    if args.server.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=args.server.api_key)
+    if state.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
     return app

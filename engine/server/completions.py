@@ -1,10 +1,13 @@
-"""POST /v1/completions: text or token-id prompts (one or many), n choices, echo, logprobs, streaming.
+"""POST /v1/completions: text or token-id prompts (one or many), n choices, best_of, echo, logprobs, streaming.
 
 Choices are ordered prompt-major (prompt i's choices are i*n .. i*n+n-1), as in
 OpenAI's API. `echo` with `logprobs` lists the prompt tokens first with their
 log-probs (the first token has none), which is how evaluation harnesses score
 a continuation; with max_tokens 0 the engine still runs one step for the
-prompt log-probs and the generated token is dropped. The request/response
+prompt log-probs and the generated token is dropped. With best_of > n each
+prompt gets best_of sampled sequences and the n with the highest cumulative
+log-probability are returned (not with stream, not with greedy sampling, where
+every candidate would be the same). The request/response
 skeleton (parse, submit, wait or stream, framing) is endpoint.py's, shared with
 /v1/chat/completions; this module plans the generation and shapes the choices.
 """
@@ -17,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.server.endpoint import ChunkFn, Endpoint, respond
+from engine.server.errors import bad_request
 from engine.server.formatting import TokenText, completion_logprobs
 from engine.server.generation import Generation, Sequence
 from engine.server.inputs import base_params, check_prompt, choice_params, completion_prompts, max_new_tokens
@@ -30,6 +34,8 @@ class _Plan:
     echo: bool
     top: "int | None"  # the logprobs value (None: no log-probs)
     drop_output: bool  # max_tokens 0 with echo + logprobs
+    n: int = 1  # choices per prompt
+    best_of: int = 1  # sequences generated per prompt (>= n)
 
 
 def _plan(state: ServerState, req: CompletionRequest) -> _Plan:
@@ -38,9 +44,10 @@ def _plan(state: ServerState, req: CompletionRequest) -> _Plan:
     prompts = completion_prompts(req, state.tokenizer)
     base = base_params(req, info)
     n, echo, top = req.n or 1, bool(req.echo), req.logprobs
+    best_of = _best_of(req, n, base)
     want = 16 if req.max_tokens is None else req.max_tokens
     drop = want == 0 and echo and top is not None
-    base.logprobs, base.top_logprobs = top is not None, top or 0
+    base.logprobs, base.top_logprobs = top is not None or best_of > n, top or 0  # best_of ranks by log-probs
     base.prompt_logprobs = echo and top is not None
     seqs = []
     for pi, (text, ids) in enumerate(prompts):
@@ -50,11 +57,37 @@ def _plan(state: ServerState, req: CompletionRequest) -> _Plan:
             mt = 1
         if echo and text is None:
             text = state.tokenizer.decode(ids, base.skip_special_tokens) if state.tokenizer else ""
-        for j in range(n):
-            params = choice_params(base, mt, req.seed, pi * n + j)
+        for j in range(best_of):
+            params = choice_params(base, mt, req.seed, pi * best_of + j)
             seqs.append(Sequence(ids, params, state.tokenizer, prompt_text=text, prompt_index=pi,
                                  discard_output=drop))
-    return _Plan(Generation(state.client, seqs, state.metrics), echo, top, drop)
+    return _Plan(Generation(state.client, seqs, state.metrics), echo, top, drop, n, best_of)
+
+
+def _best_of(req: CompletionRequest, n: int, base) -> int:
+    """Sequences to generate per prompt; a 400 where best_of is not meaningful."""
+    best_of = req.best_of or n
+    if best_of < n:
+        raise bad_request(f"best_of ({best_of}) must be >= n ({n})", param="best_of")
+    if best_of > n and req.stream:
+        raise bad_request("best_of > n cannot be used with stream (the best sequences are known only at the end)",
+                          param="best_of")
+    if best_of > n and base.greedy:
+        raise bad_request("best_of > n needs sampling (temperature > 0 and top_k != 1): greedy candidates are all "
+                          "the same", param="best_of")
+    return best_of
+
+
+def _picked(plan: _Plan) -> list[Sequence]:
+    """The sequences returned, prompt-major: per prompt the n of its best_of with the highest cumulative log-prob."""
+    seqs = plan.gen.sequences
+    if plan.best_of == plan.n:
+        return seqs
+    out = []
+    for start in range(0, len(seqs), plan.best_of):
+        group = seqs[start:start + plan.best_of]
+        out += sorted(group, key=lambda s: -sum(s.logprobs))[:plan.n]
+    return out
 
 
 def _choice(plan: _Plan, i: int, seq: Sequence, tok: TokenText) -> dict:
@@ -79,7 +112,7 @@ def _echo_offsets(lp: dict, n_prompt: int, prompt_chars: int) -> list[int]:
 
 def _choices(state: ServerState, plan: _Plan) -> list[dict]:
     tok = TokenText(state.tokenizer)
-    return [_choice(plan, i, s, tok) for i, s in enumerate(plan.gen.sequences)]
+    return [_choice(plan, i, s, tok) for i, s in enumerate(_picked(plan))]
 
 
 async def _chunks(state: ServerState, plan: _Plan, chunk: ChunkFn):

@@ -3,25 +3,32 @@
 A route describes itself with an `Endpoint`: its body schema, id prefix and
 object names, how to plan the generation (`plan(state, body)` returns an object
 with `.gen`, a Generation), the choices of a whole response, and the choice
-chunks of a stream. `respond` does the rest the same way for both: parse the
-body, submit, then either wait for the whole response (499 when the client
-leaves first) or stream; every body carries id / object / created / model, and
+chunks of a stream. `respond` does the rest the same way for both: read the
+body (within the limits of limits.py), parse and plan it in a worker thread
+(anything wrong with it is a 4xx), submit, then either wait for the whole
+response (499 when the client leaves first) or stream; every body carries id /
+object / created / model, and
 a stream with `stream_options.include_usage` ends with a usage chunk; a stream
 that fails ends with an error event; every stream ends with [DONE].
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.server.errors import APIError, server_error
+from engine.server.errors import APIError, bad_request, server_error
 from engine.server.formatting import SSE_DONE, new_id, now, sse
-from engine.server.schemas import parse_body
+from engine.server.limits import ClientGone, check_prompt_tokens, check_sequences, decode_json, read_body
+from engine.server.schemas import validate_body
 from engine.server.state import ServerState, until_disconnect
+
+log = logging.getLogger("dsctl.server")
 
 ChunkFn = Callable[[list[dict]], str]  # choices -> one SSE chunk
 
@@ -52,8 +59,15 @@ class _Frame:
 
 async def respond(request: Request, ep: Endpoint) -> Response:
     state: ServerState = request.app.state.server
-    body = parse_body(await request.body(), ep.schema)
-    plan = ep.plan(state, body)
+    state.check_accepting()
+    try:
+        raw = await read_body(request, state.limits.max_body_bytes)
+    except ClientGone:
+        return Response(status_code=499)
+    # JSON, validation, tokenising and the chat template run in a worker thread: a huge prompt
+    # must not stall /health or the streams of other requests.
+    body, plan = await run_in_threadpool(_prepare, state, ep, raw)
+    state.check_accepting()  # a shutdown may have begun while the request was prepared
     plan.gen.submit()
     frame = _Frame(new_id(ep.id_prefix), now(), state.model_name)
     if body.stream:
@@ -62,6 +76,24 @@ async def respond(request: Request, ep: Endpoint) -> Response:
     if not await until_disconnect(request, plan.gen.collect()):
         return Response(status_code=499)
     return JSONResponse(frame.body(ep.object_name, ep.choices(state, plan), usage=plan.gen.usage))
+
+
+def _prepare(state: ServerState, ep: Endpoint, raw: bytes) -> tuple[Any, Any]:
+    """(validated body, plan) from the raw body; every problem is a 4xx APIError (a worker thread runs this)."""
+    limits = state.limits
+    try:
+        body = validate_body(decode_json(raw, limits.max_json_depth), ep.schema)
+        check_sequences(body, limits.max_sequences)
+        plan = ep.plan(state, body)
+        check_prompt_tokens(plan.gen.usage["prompt_tokens"], limits.max_prompt_tokens,
+                            "messages" if hasattr(body, "messages") else "prompt")
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a request must never turn into a 500 while it is being checked
+        log.exception("unexpected error while checking a request")
+        raise bad_request(f"the request could not be processed: {type(exc).__name__}: {exc}",
+                          code="invalid_request") from None
+    return body, plan
 
 
 async def _stream(ep: Endpoint, state: ServerState, plan, frame: _Frame, include_usage: bool):

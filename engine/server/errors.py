@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from starlette.responses import JSONResponse
@@ -32,3 +33,12 @@ def unavailable(message: str, retry_after: int = 1) -> APIError:
 
 def server_error(message: str) -> APIError:
     return APIError(500, message, "server_error", None, "internal_error")
+
+
+def engine_failed(reason: str) -> APIError:
+    """A 500 for the requests in flight when an engine rank died: which rank, not its raw error text
+    (a collective's error on the other ranks, e.g. gloo's, means nothing to an API client; the log has it)."""
+    match = re.match(r"engine (rank \d+)", reason)
+    who = f"engine {match.group(1)} failed" if match else "the engine failed"
+    return APIError(500, f"the request could not be completed: {who}; the server is shutting down",
+                    "server_error", None, "engine_failed")

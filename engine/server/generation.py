@@ -18,12 +18,13 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
+from engine.grammar.spec import GrammarSpec
 from engine.runtime.client import EngineClient, EngineDead, EngineUnavailable, QueueFull
 from engine.runtime.protocol import AddFailed, RequestOutput
 from engine.sampling import SamplingParams
 from engine.scheduler.detokenizer import IncrementalDetokenizer
 from engine.scheduler.output import CollectedOutput
-from engine.server.errors import bad_request, server_error, unavailable
+from engine.server.errors import bad_request, engine_failed, server_error, unavailable
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Sequence(CollectedOutput):
     prompt_text: Optional[str] = None
     prompt_index: int = 0  # which prompt of the request (choices of one prompt share it)
     discard_output: bool = False  # echo-only request: the engine ran one step for prompt log-probs
+    grammar: Optional[GrammarSpec] = None  # what the output must match (engine/grammar)
     text: str = ""  # text emitted so far
     rid: Optional[str] = None
     # timing (monotonic seconds) for the latency metrics
@@ -89,7 +91,7 @@ class Generation:
         now = time.monotonic()
         for i, seq in enumerate(self.sequences):
             seq.t_submit = now
-            seq.rid = self.client.submit(seq.prompt_ids, seq.params, self.sink, i)
+            seq.rid = self.client.submit(seq.prompt_ids, seq.params, self.sink, i, grammar=seq.grammar)
 
     async def events(self) -> AsyncIterator[tuple[int, str, RequestOutput]]:
         """(sequence index, text delta, raw output) as they arrive, until every sequence finished."""
@@ -100,7 +102,7 @@ class Generation:
                 if isinstance(item, AddFailed):
                     raise bad_request(item.message) if item.user_error else server_error(item.message)
                 if isinstance(item, EngineDead):
-                    raise server_error(f"the request could not be completed: {item.message.splitlines()[0]}")
+                    raise engine_failed(item.message)
                 seq = self.sequences[index]
                 now = time.monotonic()
                 delta = seq.apply(item)
@@ -140,4 +142,8 @@ class Generation:
         prompts = {s.prompt_index: len(s.prompt_ids) for s in self.sequences}
         prompt = sum(prompts.values())
         completion = sum(len(s.output_ids) for s in self.sequences)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached: dict[int, int] = {}  # per prompt: the least any of its choices found in the prefix cache
+        for s in self.sequences:
+            cached[s.prompt_index] = min(cached.get(s.prompt_index, s.cached_tokens), s.cached_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}

@@ -17,6 +17,11 @@ from engine.sampling import SamplingParams
 from engine.scheduler import prompt_check
 from engine.server.errors import bad_request
 from engine.server.schemas import MAX_STOP, ChatRequest, CompletionRequest, SamplingFields
+from engine.server.tool_calls import template_messages, template_tools
+
+# Template variables the server sets itself (or that apply_chat_template takes as its own arguments).
+RESERVED_TEMPLATE_VARIABLES = {"messages", "conversation", "tokenize", "add_generation_prompt", "return_dict",
+                               "tools", "documents", "chat_template", "continue_final_message"}
 
 
 def _need_tokenizer(tokenizer, what: str):
@@ -38,7 +43,9 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[tuple[Optional
     else:
         items = list(p)
     out = []
-    for item in items:
+    for i, item in enumerate(items):
+        if len(item) == 0:
+            raise bad_request("prompt must not be empty", param="prompt" if len(items) == 1 else f"prompt.{i}")
         if isinstance(item, str):
             out.append((item, _need_tokenizer(tokenizer, "text prompts").encode(item)))
         else:
@@ -48,10 +55,13 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[tuple[Optional
 
 def chat_prompt(req: ChatRequest, tokenizer) -> list[int]:
     tok = _need_tokenizer(tokenizer, "chat messages")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in req.messages]
+    messages = template_messages(req.messages)
+    variables = req.chat_template_kwargs or {}
+    reserved = sorted(set(variables) & RESERVED_TEMPLATE_VARIABLES)
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
     try:
-        return tok.apply_chat_template(messages)
+        return tok.apply_chat_template(messages, **variables, **template_tools(req))
     except Exception as exc:  # noqa: BLE001 - template errors (e.g. bad role order) are the client's
         raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from None
 
@@ -99,9 +109,31 @@ def base_params(req: SamplingFields, info: EngineInfo) -> SamplingParams:
         stop=_stops(req),
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=bool(req.ignore_eos),
+        min_tokens=req.min_tokens or 0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=logit_bias(req.logit_bias, info.vocab_size),
         skip_special_tokens=req.skip_special_tokens is not False,
     )
     return _validated(params)
+
+
+def logit_bias(bias: Optional[dict[str, float]], vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias (token id strings -> bias in [-100, 100]) with int keys; a 400 naming a bad entry."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids (got {key!r})", param="logit_bias") from None
+        if not 0 <= tok < vocab_size:
+            raise bad_request(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})",
+                              param="logit_bias")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias for token {tok} must be in [-100, 100] (got {value})", param="logit_bias")
+        out[tok] = value
+    return out
 
 
 def _validated(params: SamplingParams) -> SamplingParams:
@@ -114,5 +146,8 @@ def _validated(params: SamplingParams) -> SamplingParams:
 def choice_params(base: SamplingParams, max_tokens: int, seed: Optional[int], index: int) -> SamplingParams:
     """The params of choice `index`: seeded choices get seed + index so n > 1 choices differ."""
     s = None if seed is None else (seed + index) % 2 ** 64
+    if base.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({base.min_tokens}) must not exceed the tokens to generate ({max_tokens})",
+                          param="min_tokens")
     return _validated(dataclasses.replace(base, max_new_tokens=max_tokens, seed=s, stop=list(base.stop),
                                           stop_token_ids=list(base.stop_token_ids)))

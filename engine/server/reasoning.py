@@ -3,7 +3,10 @@
 `deepseek-r1`: R1's chat template opens the thinking section itself, so the
 output starts in reasoning mode: everything up to `</think>` is reasoning (a
 leading `<think>` the model writes itself is dropped), everything after it is
-content. An output that never closes the section is all reasoning. The parser
+content. An output that never closes the section is all reasoning.
+`deepseek-v3.1`: V3.1 (and -Terminus) think only when the request passes
+`chat_template_kwargs: {"thinking": true}` (the template then opens the
+section); then it is parsed as R1's, else the whole output is content. The parser
 is fed text deltas and returns (reasoning delta, content delta); it holds back
 a tail that could be the start of a tag, so streamed and whole-text results
 are identical.
@@ -12,7 +15,7 @@ are identical.
 from __future__ import annotations
 
 START, END = "<think>", "</think>"
-PARSERS = ("deepseek-r1",)
+PARSERS = ("deepseek-r1", "deepseek-v3.1")
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -24,11 +27,12 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class ReasoningParser:
-    def __init__(self, name: str = "deepseek-r1"):
+    def __init__(self, name: str = "deepseek-r1", thinking: bool = False):
+        """thinking: the request's chat_template_kwargs `thinking` (read by deepseek-v3.1 only)."""
         if name not in PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r}")
-        self.in_reasoning = True
-        self.at_start = True  # a leading <think> may still arrive
+        self.in_reasoning = name == "deepseek-r1" or thinking
+        self.at_start = self.in_reasoning  # a leading <think> may still arrive
         self.buf = ""
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:

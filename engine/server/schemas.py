@@ -49,17 +49,13 @@ class SamplingFields(_Strict):
     skip_special_tokens: Optional[bool] = True
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    logit_bias: Optional[dict[str, float]] = None
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=2)
+    logit_bias: Optional[dict[str, float]] = None  # token id (a string) -> bias in [-100, 100]
+    min_tokens: Optional[int] = Field(None, ge=0)
     user: Optional[str] = None
 
     def unsupported(self) -> Optional[str]:
         """The name of a field set to a value the engine cannot honour."""
-        if self.presence_penalty:
-            return "presence_penalty"
-        if self.frequency_penalty:
-            return "frequency_penalty"
-        if self.logit_bias:
-            return "logit_bias"
         return None
 
 
@@ -74,8 +70,6 @@ class CompletionRequest(SamplingFields):
     def unsupported(self) -> Optional[str]:
         if self.suffix:
             return "suffix"
-        if self.best_of is not None and self.best_of != (self.n or 1):
-            return "best_of"
         return super().unsupported()
 
 
@@ -84,10 +78,23 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # assistant: the calls it made
+    tool_call_id: Optional[str] = None  # tool: the call this answers
 
     def text(self) -> str:
         if self.content is None:
@@ -97,8 +104,40 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
+class JsonSchema(_Strict):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchema] = None  # type json_schema
+
+
+FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: Optional[str] = None
+    parameters: Optional[dict] = None  # a JSON schema (absent: no arguments)
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(SamplingFields):
@@ -108,13 +147,13 @@ class ChatRequest(SamplingFields):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     separate_reasoning: Optional[bool] = True
+    chat_template_kwargs: Optional[dict] = None  # extra variables for the chat template (V3.1: thinking)
     response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[dict]] = None
-
-    def unsupported(self) -> Optional[str]:
-        if self.tools:
-            return "tools"
-        return super().unsupported()
+    regex: Optional[str] = None  # constrain the output to this regular expression (not an OpenAI field)
+    ebnf: Optional[str] = None  # constrain the output to this EBNF grammar (not an OpenAI field)
+    tools: Optional[list[Tool]] = Field(None, max_length=128)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = True
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -134,8 +173,13 @@ def parse_body(raw: bytes, model: Type[M]) -> M:
     """Decode JSON and validate it against model; raise a 400 APIError on any problem."""
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    return validate_body(data, model)
+
+
+def validate_body(data, model: Type[M]) -> M:
+    """Validate decoded JSON against model; raise a 400 APIError naming the field on any problem."""
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     try:

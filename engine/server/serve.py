@@ -2,10 +2,14 @@
 
 The tokenizer is loaded here (the serving process); the model loads in the
 engine process while the port is already open (/health answers 503 until it is
-ready). SIGTERM stops accepting connections, lets in-flight requests finish for
-up to --shutdown-timeout seconds, then aborts the rest (streams end with
-finish_reason "abort" and [DONE]), stops the engine ranks and returns
-normally, so the process exits 0.
+ready, and the URL is logged once it is). The first SIGTERM or SIGINT (Ctrl-C)
+stops accepting connections and requests (503), lets in-flight requests finish
+for up to --graceful-shutdown-timeout seconds, then aborts the rest (streams end
+with finish_reason "abort" and [DONE]), stops the engine ranks and returns
+normally: the process exits 0. A second signal aborts what is left at once (the
+streams still end the same way) and stops the ranks without waiting for them;
+the process exits 0 too. When the engine dies the process exits 2 (EngineDied),
+so that a supervisor restarts it.
 
 On a node other than 0 (--nnodes N --node-rank R > 0) there is no HTTP side: this node's
 engine ranks run alone (engine/runtime/node_ranks.py).
@@ -14,7 +18,6 @@ engine ranks run alone (engine/runtime/node_ranks.py).
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 
 import uvicorn
@@ -37,30 +40,45 @@ class EngineDied(DsctlError):
     """An engine rank died while serving; the server exits non-zero (its requests got errors)."""
 
 
-ABORT_GRACE_S = 5.0  # after aborting, how long uvicorn waits for the aborted responses before cancelling them
+ABORT_GRACE_S = 2.0  # after aborting, how long uvicorn waits for the aborted responses before cancelling them
 
 
-def _uvicorn_server(config, on_first_exit):
-    """A uvicorn.Server that calls on_first_exit() (from the signal handler) when the first SIGTERM/SIGINT arrives."""
+class _Shutdown:
+    """What the first and the second SIGTERM / SIGINT do (called from the signal handler, on the loop's thread)."""
+
+    def __init__(self, state, timeout: float):
+        self.state, self.timeout = state, timeout
+
+    def first(self) -> None:
+        self.state.draining = True
+        if self.state.client.call_later(self.timeout, lambda: self._abort(f"still running after {self.timeout:.0f}s")):
+            log.info("shutting down: no new requests; in-flight requests get %.0fs to finish (a second SIGTERM / "
+                     "Ctrl-C ends them now)", self.timeout)
+
+    def second(self) -> None:
+        self.state.forced = True
+        self.state.client.call_later(0, lambda: self._abort("on a second signal"))
+
+    def _abort(self, why: str) -> None:
+        n = self.state.client.abort_all()
+        if n:
+            log.warning("shutting down: aborted %d request(s) %s", n, why)
+
+
+def _uvicorn_server(config, shutdown: _Shutdown) -> uvicorn.Server:
+    """A uvicorn.Server whose signal handling is ours: the first signal drains, the second aborts at once.
+
+    Neither re-raises the signal afterwards (uvicorn's own handler does, which made Ctrl-C exit 130), and
+    neither sets uvicorn's force_exit, which skips the engine's shutdown and cancels streams mid-write."""
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            first = not self.should_exit
-            super().handle_exit(sig, frame)
-            if first:
-                on_first_exit()
+            if self.should_exit:
+                shutdown.second()
+                return
+            self.should_exit = True
+            shutdown.first()
 
     return Server(config)
-
-
-def _abort_later(state, delay: float) -> None:
-    """Thread-safe: after delay seconds, abort whatever the engine is still generating."""
-    def abort() -> None:
-        n = state.client.abort_all()
-        if n:
-            log.warning("shutting down: aborted %d request(s) still running after %.0fs", n, delay)
-
-    if state.client.call_later(delay, abort):
-        log.info("shutting down: no new connections; in-flight requests get %.0fs to finish", delay)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -89,20 +107,13 @@ def serve(args: EngineArgs) -> None:
     tokenizer = load_tokenizer(resolved.tokenizer_path)
     app = build_app(args, tokenizer)
     config = uvicorn.Config(app, host=http.host, port=http.port, log_level=http.log_level,
-                            timeout_graceful_shutdown=http.shutdown_timeout + ABORT_GRACE_S,
+                            timeout_graceful_shutdown=http.graceful_shutdown_timeout + ABORT_GRACE_S,
                             access_log=http.log_level == "debug")
     sock = _bind(http.host, http.port)  # before the engine starts, so a busy port fails fast
     state = app.state.server
-    server = _uvicorn_server(config, lambda: _abort_later(state, http.shutdown_timeout))
+    server = _uvicorn_server(config, _Shutdown(state, http.graceful_shutdown_timeout))
     state.request_exit = lambda: setattr(server, "should_exit", True)
-    # uvicorn re-raises a captured SIGTERM after its graceful shutdown; with this handler in place
-    # that re-raise is a no-op and the process exits 0 instead of dying by the signal.
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    server.run(sockets=[sock])
     if state.exit_code:
         reason = state.client.dead_reason or "the engine process failed"
         raise (EngineStartError if state.client.info is None else EngineDied)(reason)
-

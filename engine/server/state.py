@@ -1,4 +1,4 @@
-"""ServerState: what every route needs (server flags, engine client, tokenizer, metrics, model names)."""
+"""ServerState: what every route needs (server flags, limits, engine client, tokenizer, metrics, model names)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from engine.args import ServerArgs
 from engine.runtime.client import EngineClient
 from engine.runtime.protocol import EngineInfo
 from engine.server.errors import APIError, unavailable
+from engine.server.limits import Limits
 from engine.server.metrics import ServerMetrics
 
 
@@ -25,6 +26,14 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     exit_code: int = 0
     request_exit: Optional[callable] = None  # set by serve(): ask uvicorn to stop
+    api_key: Optional[str] = None  # --api-key or $DSCTL_API_KEY
+    draining: bool = False  # a shutdown has begun: new requests get 503
+    forced: bool = False  # a second signal: stop the engine without waiting
+    limits: Limits = field(default_factory=Limits)
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise unavailable("the server is shutting down", 5)
 
     def info(self) -> EngineInfo:
         """The engine's limits, or a 503 while it is loading or after it died."""

@@ -22,6 +22,7 @@ import torch
 
 from engine.distributed.groups import TPGroup
 from engine.weights.sharding import SliceSpec, group_spec, is_scale, weight_name
+from engine.weights.w4afp8 import int4_scale_block
 from kernels.fp8_math import FP8_DTYPE
 
 _CHUNK = 1 << 24  # elements generated at a time (rounded to whole rows)
@@ -36,6 +37,8 @@ def _transform(name: str, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.
     """N(0, 1) samples -> this parameter's distribution."""
     if dtype == FP8_DTYPE:
         return lambda x: x
+    if dtype == torch.int8:  # packed INT4 (W4AFP8 experts): bytes whose two nibbles span [-8, 7]
+        return lambda x: (x * 48).round().clamp(-128, 127)
     if name.endswith("_scale") or name.endswith("weight_scale_inv"):
         return lambda x: 0.02 * (1 + 0.25 * x.abs())
     if "norm" in name:
@@ -84,10 +87,18 @@ def fill_dummy(named_params: Iterable[tuple[str, torch.Tensor]], seed: int,
     split = tp is not None and tp.size > 1
     if split and full_shapes is None:
         raise ValueError("fill_dummy under TP needs the parameters' full (TP 1) shapes")
+    named_params = list(named_params)
+    int4 = {name for name, p in named_params if p.dtype == torch.int8}  # W4AFP8 experts: group scales
     for name, p in named_params:
         full = tuple(full_shapes[name]) if full_shapes is not None else tuple(p.shape)
+        fn = _transform(name, p.dtype)
+        blk = block
+        if is_scale(name) and weight_name(name) in int4:
+            fn = lambda x: 0.004 * (1 + 0.25 * x.abs())  # noqa: E731 - int4 x scale ~ the FP8 weights' spread
+            if split:
+                blk = int4_scale_block(full_shapes[weight_name(name)], full)
         spec = None
         if split:
             wshape = full_shapes[weight_name(name)] if is_scale(name) else None
-            spec = group_spec(name, full, tp, block, wshape)
-        fill_slice(p, name, full, spec, seed, _transform(name, p.dtype))
+            spec = group_spec(name, full, tp, blk, wshape)
+        fill_slice(p, name, full, spec, seed, fn)

@@ -31,6 +31,7 @@ from engine.checkpoint.config import ModelConfig
 from engine.distributed.groups import TPGroup
 from engine.errors import CheckpointError
 from engine.weights.sharding import SliceSpec, dequant_slice, expert_owner, group_spec, read_slice, scale_spec
+from engine.weights.w4afp8 import is_int4_param, load_int4_expert
 from kernels.fp8_math import FP8_DTYPE, cdiv, dequant_block_fp8, quantize_block_fp8
 
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
@@ -185,6 +186,9 @@ def load_checkpoint(modules: dict[str, torch.nn.Module], ckpt: Path, cfg: ModelC
             continue  # consumed together with its weight
         t = _local(hf_to_target(name, cfg, num_layers, mtp), cfg, tp)
         if t is None or t.name not in params:
+            continue
+        if t.expert is not None and is_int4_param(params[t.name]):  # W4AFP8 experts (engine/weights/w4afp8.py)
+            load_int4_expert(shards, name, t, params, cfg.experts_int4_group, block, filled)
             continue
         src, scale, spec = shards.read(name, t.name, block)
         _store(params, t, src, scale, block, filled, spec)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -31,23 +32,49 @@ class Case:
     attention: str = "torch"  # attention backend
     moe: str = "torch"  # MoE backend
     keep_fp8: bool = False  # keep FP8 weights FP8 (the W8A8 path; Triton GEMM under the interpreter)
+    # with keep_fp8: the W8A8 maths in plain torch (block_fp8_matmul_ref; the norms before block-FP8 GEMMs
+    # quantise with the reference of the fused norm + quantisation), no Triton: cheap enough for every TP size
+    w8a8_torch: bool = False
 
     @property
     def tag(self) -> str:
-        return f"{self.model}-{self.attention}-{self.moe}{'-w8a8' if self.keep_fp8 else ''}"
+        return (f"{self.model}-{self.attention}-{self.moe}{'-w8a8' if self.keep_fp8 else ''}"
+                f"{'-torch' if self.w8a8_torch else ''}")
+
+
+def case_kernels(case: Case, cfg, block, old_paths: bool):
+    """The Kernels the case's model runs: 'auto' on CPU, or the W8A8 torch maths. old_paths: no RMSNorm
+    fused with the FP8 quantisation of the GEMM after it (and run_workload keeps q_a / kv_a apart)."""
+    from engine.model import fp8_ops, norm_ops
+    from engine.model.builder import default_kernels
+    from engine.model.kernel_set import REFERENCE
+    from kernels.fp8 import block_fp8_matmul_ref
+
+    if case.w8a8_torch:
+        kernels = replace(REFERENCE, gemm=block_fp8_matmul_ref, norm_quant=norm_ops.torch_norm_quant,
+                          gemm_q=fp8_ops.torch_linear_q)
+    else:
+        kernels = default_kernels(cfg, torch.float32, torch.device("cpu"), block)
+    return replace(kernels, norm_quant=None, gemm_q=None) if old_paths else kernels
 
 
 def params_by_checkpoint_name(model, mtp) -> dict[str, torch.Tensor]:
     """Every parameter of a built (model, MTP layer), an MLP's merged gate_up_proj given back as the
     gate_proj and up_proj halves it was loaded as (MLP.merge_gate_up merges only where the rank's rows are
-    whole FP8 blocks, so whether a layer is merged can differ between TP sizes)."""
+    whole FP8 blocks, so whether a layer is merged can differ between TP sizes), and MLA's qkv_a_proj as
+    q_a_proj (its first q_lora_rank rows, or their scale rows) and kv_a_proj_with_mqa (the rest)."""
     from engine.weights.loader import iter_params
 
     out = {}
     for name, p in iter_params({"": model, "mtp.": mtp} if mtp is not None else {"": model}):
         m = re.fullmatch(r"(.*)\.gate_up_proj\.(weight|weight_scale_inv)", name)
+        a = re.fullmatch(r"(.*)\.qkv_a_proj\.(weight|weight_scale_inv)", name)
         if m:
             out[f"{m[1]}.gate_proj.{m[2]}"], out[f"{m[1]}.up_proj.{m[2]}"] = p.chunk(2, dim=0)
+        elif a:
+            block_n = model.cfg.fp8.block_n if model.cfg.fp8 else 128
+            q_rows = model.cfg.q_lora_rank // (block_n if a[2] == "weight_scale_inv" else 1)
+            out[f"{a[1]}.q_a_proj.{a[2]}"], out[f"{a[1]}.kv_a_proj_with_mqa.{a[2]}"] = p[:q_rows], p[q_rows:]
         else:
             out[name] = p
     return out
@@ -70,7 +97,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 class _Driver:
     """KV pool, request table and context for one model; runs ForwardBatches built from host lists."""
 
-    def __init__(self, case: Case, tp):
+    def __init__(self, case: Case, tp, old_paths: bool = False):
         from engine.memory.pools import KVPool, ReqToTokenPool
         from engine.model.builder import build_model
         from engine.model.context import ForwardContext
@@ -82,7 +109,10 @@ class _Driver:
         self.cfg, self.tp = cfg, tp
         block = (cfg.fp8.block_n, cfg.fp8.block_k) if case.keep_fp8 else None
         dev, dt = torch.device("cpu"), torch.float32
-        self.model, self.mtp = build_model(cfg, cfg.num_hidden_layers, dt, dev, block, tp, checkpoint=path)
+        kernels = case_kernels(case, cfg, block, old_paths)
+        with _unmerged_qkv_a() if old_paths else nullcontext():
+            self.model, self.mtp = build_model(cfg, cfg.num_hidden_layers, dt, dev, block, tp, checkpoint=path,
+                                               kernels=kernels)
         assert self.mtp is not None
         layers = cfg.num_hidden_layers + 1
         self.kv = KVPool(layers, 128, cfg.kv_cache_dim, dt, dev)
@@ -119,11 +149,21 @@ class _Driver:
         return ids.tolist()
 
 
-def run_workload(case: Case, tp=None) -> dict:
-    """Logits of every step (float32) and the greedy tokens, for the model of `case` split over `tp`."""
+def _unmerged_qkv_a():
+    """While open, MLA.merge_qkv_a leaves q_a_proj and kv_a_proj_with_mqa apart (the path before the merge)."""
+    from unittest import mock
+
+    from engine.model.attention import MLA
+
+    return mock.patch.object(MLA, "merge_qkv_a", lambda self: None)
+
+
+def run_workload(case: Case, tp=None, old_paths: bool = False) -> dict:
+    """Logits of every step (float32) and the greedy tokens, for the model of `case` split over `tp`.
+    old_paths: q_a / kv_a as two GEMMs and no RMSNorm fused with an FP8 quantisation (what those replaced)."""
     from engine.forward_batch import ForwardMode
 
-    d = _Driver(case, tp)
+    d = _Driver(case, tp, old_paths)
     prompts = _prompts(d.cfg.vocab_size)
     rows = [d.table.alloc() for _ in prompts]
     out: dict = {}

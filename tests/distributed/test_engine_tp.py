@@ -69,13 +69,15 @@ DPA = dict(enable_dp_attention=True)
 # Four ranks share this machine's two cores: each 4-rank case costs 4-6x a 2-rank one, so TP 4 runs the FP8
 # model (its block scales split four ways too) for plain TP and EP, the plain model for DP attention, and
 # the first 8 prompts only.
+# ("tiny", 2) runs with --all-reduce-backend custom: on CPU it must fall back to gloo (same tokens).
 @pytest.mark.parametrize("model, tp, layout", [
-    ("tiny", 2, {}), ("tiny-fp8", 2, {}), ("tiny-fp8", 4, {}),
+    ("tiny", 2, dict(all_reduce_backend="custom")), ("tiny-fp8", 2, {}), ("tiny-fp8", 4, {}),
     ("tiny", 2, EP), ("tiny-fp8", 2, EP), ("tiny-fp8", 4, EP),
     ("tiny", 2, dict(DPA, dp_size=2)), ("tiny", 4, dict(DPA, dp_size=2)), ("tiny-fp8", 2, dict(DPA, dp_size=2)),
     ("tiny", 2, dict(DPA, dp_size=2, **EP)),
     ("tiny", 2, dict(enable_mixed_chunk=True)),  # decodes inside prefill steps; the reference alternates them
-], ids=lambda v: "-".join(k for k in ("ep_size", "dp_size", "enable_mixed_chunk") if k in v) or "tp"
+], ids=lambda v: "-".join(k for k in ("ep_size", "dp_size", "enable_mixed_chunk", "all_reduce_backend") if k in v)
+   or "tp"
    if isinstance(v, dict) else None)
 def test_greedy_tokens_identical_to_one_process(reference, model, tp, layout):
     prompts, ref = reference(model)

@@ -1,12 +1,14 @@
 """The tensor-parallel model against one process.
 
 - Multi-process (gloo on CPU, TP 2 and TP 4): every rank builds the model from the same
-  built-in checkpoint (`tiny`, and `tiny-fp8` dequantised as on CPU) with
+  built-in checkpoint (`tiny`, `tiny-fp8` dequantised as on CPU, and `tiny-fp8-tp` kept FP8 with the W8A8
+  maths in plain torch) with
   engine/model/builder.py and runs tests/distributed/model_tp_targets.py's workload (mixed-length
   prefill with a chunk over a cached prefix, two greedy decode steps, an MTP draft-extend) with
   the torch, Triton (interpreter) and FlashInfer (tests/engine/fake_flashinfer.py) attention
   backends. Every rank's logits must match the single-process model's, be identical on every
-  rank, and give the same greedy tokens.
+  rank, and give the same greedy tokens. The single process runs the paths the ranks' merged q_a / kv_a
+  GEMM and fused RMSNorm + FP8 quantisation replaced (run_workload's old_paths).
 - In process (no collectives): each rank's loaded weights (and its absorbed w_kc / w_vc) are
   exactly the slices of the unsplit model's, read without ever reading a whole tensor; dummy
   weights at TP N are exactly the slices of the TP-1 dummy weights; a rank's parameter bytes are
@@ -46,8 +48,15 @@ from tests.distributed.model_tp_targets import (
 )
 
 ATOL = 5e-5
+# Kept FP8 (W8A8): the activations are quantised to e4m3 in 1 x 128 groups before every block-FP8 GEMM, so an
+# input that TP moved by a float32 rounding step can land one e4m3 step (2**-4 relative) away, and the error
+# grows through the layers: 0.07 at most on this workload at TP 2 (the same whether the single process runs
+# the old paths or the new ones, which agree exactly at TP 1: tests/engine/test_merged_qkv_a.py). The greedy
+# tokens must still be identical.
+W8A8_ATOL = 0.15
 BLOCK = (128, 128)
-WORLD_CASES = [Case("tiny"), Case("tiny-fp8"), Case("tiny", attention="triton"), Case("tiny", attention="flashinfer")]
+WORLD_CASES = [Case("tiny"), Case("tiny-fp8"), Case("tiny", attention="triton"), Case("tiny", attention="flashinfer"),
+               Case("tiny-fp8-tp", keep_fp8=True, w8a8_torch=True)]
 LOGITS = ("prefill1", "prefill2", "decode0", "decode1", "mtp")
 
 
@@ -71,12 +80,14 @@ def _expected_slice(name, full: dict, rank: int, tp: int, block):
 
 @pytest.fixture(scope="module")
 def references():
-    """The single-process outputs of every world case (the fake FlashInfer installed for the run)."""
+    """The single-process outputs of every world case (the fake FlashInfer installed for the run), by the
+    paths the ranks' new ones replaced: q_a / kv_a as two GEMMs, no RMSNorm fused with the FP8 quantisation
+    of the GEMM after it (W8A8 case), so TP 2 / 4 with the new paths is checked against TP 1 with the old."""
     from tests.engine import fake_flashinfer
 
     with pytest.MonkeyPatch.context() as mp:
         fake_flashinfer.install(mp)
-        return {case: run_workload(case) for case in WORLD_CASES}
+        return {case: run_workload(case, old_paths=True) for case in WORLD_CASES}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -94,7 +105,9 @@ def test_tp_ranks_match_one_process(tp, references, tmp_path):
         for key in LOGITS:
             for r, out in enumerate(ranks):
                 assert out[key].shape == ref[key].shape, (case.tag, key)
-                torch.testing.assert_close(out[key], ref[key], rtol=0, atol=ATOL, msg=f"{case.tag} {key} rank {r}")
+                atol = W8A8_ATOL if case.keep_fp8 else ATOL
+                err = (out[key] - ref[key]).abs().max().item()
+                assert err <= atol, f"{case.tag} {key} rank {r}: max error {err:.3g}"
                 assert torch.equal(out[key], ranks[0][key]), f"{case.tag} {key}: rank {r}'s logits differ from rank 0's"
         assert all(out["tokens"] == ref["tokens"] for out in ranks), case.tag  # greedy argmax identical
         # a rank holds replicated + split / tp of the parameters (the in-process test checks the exact split)

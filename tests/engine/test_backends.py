@@ -25,7 +25,7 @@ from tests.engine import fake_flashinfer
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
 BLOCK = (128, 128)
 OPS = list(kr.REGISTRIES)
-FLAG_OPS = ["attention", "moe", "gemm", "rms_norm", "moe_gate"]
+FLAG_OPS = ["attention", "moe", "gemm", "rms_norm", "moe_gate", "norm_quant"]  # each with a triton kernel
 
 
 def _setup(device=CPU, dtype=torch.float32, kv_dtype=None, graphs=(), interpret=False, model="tiny", fp8_block=None):
@@ -49,25 +49,29 @@ def test_choices_per_op():
     assert kr.MOE.choices() == ["auto", "torch", "triton"]
     assert kr.GEMM.choices() == ["auto", "torch", "triton", "cublas"]
     assert kr.RMS_NORM.choices() == kr.MOE_GATE.choices() == ["auto", "torch", "triton"]
-    assert kr.ALL_REDUCE.choices() == ["auto", "torch"]
+    assert kr.ALL_REDUCE.choices() == ["auto", "torch", "custom"]
+    assert kr.NORM_QUANT.choices() == ["auto", "off", "torch", "triton"]
 
 
-@pytest.mark.parametrize("op", FLAG_OPS)
+@pytest.mark.parametrize("op", [*FLAG_OPS, "all_reduce"])
 def test_each_flag_offers_exactly_the_registered_names(op):
     field = {"attention": "attention_backend"}.get(op, f"{op}_backend")
     flags = {f.name: f for f in dataclasses.fields(KernelArgs)}
     assert set(flags[field].metadata["choices"]) == set(kr.REGISTRIES[op].choices())
     assert KernelArgs(**{field: "torch"}).requested_kernels()[op] == "torch"
-    assert set(KernelArgs().requested_kernels()) == set(FLAG_OPS)  # all_reduce: no flag, always 'auto'
+    assert set(KernelArgs().requested_kernels()) == {*FLAG_OPS, "all_reduce"}
 
 
 def test_auto_on_cpu():
     names = kr.resolve_kernels({}, _setup(CPU, fp8_block=BLOCK)).names()
     assert names == dict(attention="torch", moe="torch", gemm="torch", rms_norm="torch", moe_gate="torch",
-                         all_reduce="torch")
+                         all_reduce="torch", norm_quant="off")
     interp = kr.resolve_kernels({}, _setup(CPU, interpret=True, fp8_block=BLOCK)).names()
-    # the interpreter is opt-in for every op but the FP8 GEMM, which the CPU tests run in Triton
-    assert interp == dict(names, gemm="triton")
+    # the interpreter is opt-in for every op but the FP8 GEMM (and the norm fused with its quantisation),
+    # which the CPU tests run in Triton
+    assert interp == dict(names, gemm="triton", norm_quant="triton")
+    # the exact torch GEMM quantises no activation: nothing to fuse with
+    assert kr.resolve_kernels({"gemm": "torch"}, _setup(CPU, interpret=True, fp8_block=BLOCK)).norm_quant == "off"
     assert kr.resolve_kernels({}, _setup(CPU, interpret=True)).gemm == "torch"  # no FP8 weights: no FP8 GEMM
 
 
@@ -75,8 +79,9 @@ def test_auto_on_cpu():
 def test_auto_on_cuda(monkeypatch, cublas_why, gemm):
     monkeypatch.setattr(kr, "cublas_unavailable_reason", lambda device: cublas_why)
     choice = kr.resolve_kernels({}, _setup(CUDA, torch.bfloat16, graphs=(1, 2), fp8_block=BLOCK))
-    assert choice == kr.KernelChoice("triton", "triton", gemm, "triton", "triton", "torch")
-    assert kr.resolve_kernels({}, _setup(CUDA, torch.bfloat16)).gemm == "torch"  # bf16 weights: F.linear
+    assert choice == kr.KernelChoice("triton", "triton", gemm, "triton", "triton", "torch", "triton")
+    bf16 = kr.resolve_kernels({}, _setup(CUDA, torch.bfloat16))
+    assert bf16.gemm == "torch" and bf16.norm_quant == "off"  # bf16 weights: F.linear, nothing to quantise
 
 
 @pytest.mark.parametrize("op", FLAG_OPS)
@@ -118,16 +123,19 @@ def test_build_kernels_gives_the_chosen_callables():
     ref = kr.build_kernels(kr.resolve_kernels({}, _setup(CPU)), setup)
     assert ref == Kernels(fp8_ops.torch_linear, norm_ops.torch_rms_norm, gate_ops.torch_gate, comm.all_reduce)
     assert kr.GEMM.build("cublas", setup) is fp8_ops.cublas_linear
+    fused = kr.build_kernels(kr.resolve_kernels(dict(gemm="triton", norm_quant="triton"), setup), setup)
+    assert (fused.norm_quant, fused.gemm_q) == (norm_ops.triton_norm_quant, fp8_ops.triton_linear_q)
 
 
 def test_describe_names_what_runs_for_each_op(monkeypatch):
     monkeypatch.setattr(kr, "cublas_unavailable_reason", lambda device: "")
     setup = _setup(CUDA, torch.bfloat16, fp8_block=BLOCK)
     assert kr.describe(kr.resolve_kernels({}, setup), setup) == (
-        "attention triton, moe triton, gemm triton+cublas, rms_norm triton, moe_gate triton, all_reduce nccl")
+        "attention triton, moe triton, gemm triton+cublas, rms_norm triton, moe_gate triton, all_reduce nccl, "
+        "norm_quant triton")
     cpu = _setup(CPU)
     assert kr.describe(kr.resolve_kernels({"attention": "torch"}, cpu), cpu) == (
-        "attention torch, moe torch, gemm torch, rms_norm torch, moe_gate torch, all_reduce gloo")
+        "attention torch, moe torch, gemm torch, rms_norm torch, moe_gate torch, all_reduce gloo, norm_quant off")
 
 
 def test_runner_logs_its_kernels_once(caplog):
@@ -136,7 +144,7 @@ def test_runner_logs_its_kernels_once(caplog):
                                            moe_gate_backend="triton", max_total_tokens=256))
     lines = [r.getMessage() for r in caplog.records if "kernels:" in r.getMessage()]
     assert lines == ["rank 0 kernels: attention torch, moe torch, gemm torch, rms_norm triton, moe_gate triton, "
-                     "all_reduce gloo"]
+                     "all_reduce gloo, norm_quant off"]
     assert runner.kernel_choice.rms_norm == "triton"
 
 

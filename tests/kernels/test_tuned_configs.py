@@ -11,8 +11,9 @@ from kernels import tuned_configs as tc
 
 
 @pytest.fixture(autouse=True)
-def fresh(monkeypatch):
+def fresh(monkeypatch, tmp_path):
     monkeypatch.delenv(tc.ENV_DIR, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))  # no per-user configs of this machine's user
     tc.set_user_config_dir(None)
     tc.clear_config_cache()
     tc._warned.clear()

@@ -36,10 +36,10 @@ def test_dry_run_ep_and_fp8_shapes():
     assert "E=32 N=2048" in res.output
     res = _invoke("tune-moe", "--model", "deepseek-v3", "--tp", "8", "--ep-size", "8", "--dry-run", "--batch-sizes", "1")
     assert res.exit_code == 0 and "E=32 N=2048" in res.output, res.output  # the engine's flag name works too
-    res = _invoke("tune-fp8", "--model", "deepseek-v3", "--tp", "8", "--dry-run", "--shapes", "1536x7168,7168x2048",
+    res = _invoke("tune-fp8", "--model", "deepseek-v3", "--tp", "8", "--dry-run", "--shapes", "2112x7168,7168x2048",
                   "--batch-sizes", "1,64")
     assert res.exit_code == 0, res.output
-    assert "N=1536 K=7168 (q_a_proj)" in res.output and "N=7168 K=2048 (o_proj)" in res.output
+    assert "N=2112 K=7168 (qkv_a_proj)" in res.output and "N=7168 K=2048 (o_proj)" in res.output
     assert "kv_b_proj" not in res.output
     res = _invoke("tune-fp8", "--model", "deepseek-v3", "--dry-run", "--max-shapes", "2", "--batch-sizes", "1")
     assert res.exit_code == 0 and res.output.count("block-FP8 GEMM") == 2

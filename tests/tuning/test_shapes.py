@@ -45,15 +45,15 @@ def test_moe_shape_errors(v3):
 def test_v3_tp8_gemm_shapes(v3):
     shapes = {(s.N, s.K): s.layers for s in gemm_shapes(v3, tp=8)}
     assert shapes == {
-        (1536, 7168): ("q_a_proj",), (3072, 1536): ("q_b_proj",), (576, 7168): ("kv_a_proj_with_mqa",),
+        (2112, 7168): ("qkv_a_proj",), (3072, 1536): ("q_b_proj",),
         (4096, 512): ("kv_b_proj",), (7168, 2048): ("o_proj",), (4608, 7168): ("mlp.gate_up_proj",),
         (7168, 2304): ("mlp.down_proj",), (512, 7168): ("shared_experts.gate_up_proj",),
         (7168, 256): ("shared_experts.down_proj",)}
     one = {(s.N, s.K) for s in gemm_shapes(v3, tp=1)}
     assert {(24576, 1536), (7168, 16384), (36864, 7168), (4096, 7168)} <= one
     assert [(s.N, s.K) for s in gemm_shapes(v3, tp=8, layers=["o_proj"])] == [(7168, 2048)]
-    name = gemm_shapes(v3, tp=8, layers=["q_a"])[0].filename("NVIDIA H100 80GB HBM3")
-    assert name == "N=1536,K=7168,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8,block_shape=[128, 128].json"
+    name = gemm_shapes(v3, tp=8, layers=["qkv_a"])[0].filename("NVIDIA H100 80GB HBM3")
+    assert name == "N=2112,K=7168,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8,block_shape=[128, 128].json"
     assert (tc.SHIPPED_DIR / name).is_file()
 
 
@@ -79,7 +79,8 @@ def test_unknown_model():
 def test_gemm_shapes_are_the_shapes_the_engine_runs(v3, tp):
     """Every block-FP8 Linear of a built V3 rank (on the meta device, after the post-load step that merges
     gate and up) has an (N, K) that gemm_shapes lists, and the other way round: a tuned file then serves each
-    GEMM the engine launches (the dense gate / up once ran unmerged and never found their merged files)."""
+    GEMM the engine launches (the dense gate / up once ran unmerged and never found their merged files; so
+    would q_a / kv_a, now one qkv_a_proj of N = 1536 + 576)."""
     import torch
 
     from engine.distributed.groups import TPGroup

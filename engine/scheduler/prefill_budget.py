@@ -1,0 +1,78 @@
+"""How many prompt tokens a prefill step may take while other requests are decoding.
+
+A prefill step between two decode steps stalls every running stream for its whole length. With
+requests decoding, the step's prompt tokens are capped so that its predicted time stays within a target
+inter-token latency: `--itl-target-ms`, or by default ITL_AUTO_FACTOR times the recent decode step.
+Prefill time is predicted from the steps already run: a least-squares line (fixed cost + cost per token)
+over the recent extend steps, older steps weighing less. Until enough steps are seen, and with no
+request decoding, the full step budget applies (time to first token first). The cap never goes below
+`min_tokens`, so prefill progresses under any decode load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ITL_AUTO_FACTOR = 3.0  # the default target: this many decode steps (the p99/p50 goal is 4x)
+DECAY = 0.95  # weight of a past observation after each new one
+WARMUP_STEPS = 3  # extend steps (of different sizes) seen before the line is trusted
+
+
+@dataclass
+class _Line:
+    """Weighted least squares of seconds against tokens, with exponential forgetting."""
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    seen: int = 0
+
+    def add(self, x: float, y: float) -> None:
+        self.n, self.sx, self.sy = self.n * DECAY + 1, self.sx * DECAY + x, self.sy * DECAY + y
+        self.sxx, self.sxy = self.sxx * DECAY + x * x, self.sxy * DECAY + x * y
+        self.seen += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None while the points do not determine a rising line."""
+        var = self.n * self.sxx - self.sx * self.sx
+        if self.seen < WARMUP_STEPS or var <= 1e-9 * max(1.0, self.sxx * self.n):
+            return None
+        slope = (self.n * self.sxy - self.sx * self.sy) / var
+        if slope <= 0:
+            return None
+        return max(0.0, (self.sy - slope * self.sx) / self.n), slope
+
+
+class PrefillBudget:
+    def __init__(self, itl_target_ms: float, min_tokens: int):
+        """`itl_target_ms`: > 0 a fixed target, 0 automatic (from the decode steps), < 0 no cap."""
+        self.target_s = itl_target_ms / 1000 if itl_target_ms > 0 else None
+        self.enabled = itl_target_ms >= 0
+        self.min_tokens = max(1, min_tokens)
+        self.extend = _Line()
+        self.decode_s: float | None = None  # moving average of recent decode steps
+
+    def observe(self, kind: str, tokens: int, seconds: float) -> None:
+        """A finished step: 'extend' with its prompt tokens, or 'decode' / 'spec' (a decode step)."""
+        if kind == "extend" and tokens > 0:
+            self.extend.add(float(tokens), seconds)
+        elif kind in ("decode", "spec"):
+            self.decode_s = seconds if self.decode_s is None else 0.9 * self.decode_s + 0.1 * seconds
+
+    def target_seconds(self) -> float | None:
+        if self.target_s is not None:
+            return self.target_s
+        return None if self.decode_s is None else ITL_AUTO_FACTOR * self.decode_s
+
+    def tokens(self, step_budget: int, decoding: int) -> int:
+        """This step's prompt-token cap (`step_budget` when nothing decodes or nothing is known yet)."""
+        if not self.enabled or decoding == 0:
+            return step_budget
+        target, line = self.target_seconds(), self.extend.fit()
+        if target is None or line is None:
+            return step_budget
+        fixed, per_token = line
+        # The stream waits for this step and for its own next decode step.
+        room = target - fixed - (self.decode_s or 0.0)
+        return min(step_budget, max(self.min_tokens, int(room / per_token)))

@@ -1,0 +1,98 @@
+"""The prefill cap that follows the decode load (--itl-target-ms): the line it fits to the extend steps, the
+cap it derives, and on the tiny model a run where every prefill step taken while requests decode stays within
+the cap, prompts still progress, decodes are never starved, and the outputs equal the uncapped run's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.sampling import SamplingParams
+from engine.scheduler.prefill_budget import ITL_AUTO_FACTOR, WARMUP_STEPS, PrefillBudget
+from tests.scheduler.helpers import assert_settled, swap_scheduler
+
+
+def _taught(budget: PrefillBudget, fixed=0.004, per_token=1e-5, decode=0.01) -> PrefillBudget:
+    for tokens in (100, 900, 2000, 4000, 300):
+        budget.observe("extend", tokens, fixed + per_token * tokens)
+    for _ in range(5):
+        budget.observe("decode", 0, decode)
+    return budget
+
+
+def test_line_recovers_fixed_and_per_token_cost():
+    fixed, per_token = _taught(PrefillBudget(0.0, 64)).extend.fit()
+    assert fixed == pytest.approx(0.004, rel=1e-6)
+    assert per_token == pytest.approx(1e-5, rel=1e-6)
+
+
+def test_cap_from_auto_and_fixed_targets():
+    auto = _taught(PrefillBudget(0.0, 64))
+    # the gap a stream sees: this step plus its decode step, within 3 decode steps
+    want = int((ITL_AUTO_FACTOR * 0.01 - 0.004 - 0.01) / 1e-5)
+    assert auto.tokens(8192, decoding=8) == pytest.approx(want, abs=1)
+    assert auto.tokens(8192, decoding=0) == 8192  # nothing waits: the whole budget
+    assert auto.tokens(1000, decoding=8) == 1000  # never above the step budget
+    fixed = _taught(PrefillBudget(20.0, 64))
+    assert fixed.tokens(8192, decoding=1) == pytest.approx((0.020 - 0.004 - 0.01) / 1e-5, abs=1)
+    tight = _taught(PrefillBudget(5.0, 64))  # the fixed cost alone exceeds it: the floor keeps prompts moving
+    assert tight.tokens(8192, decoding=1) == 64
+    assert tight.tokens(32, decoding=1) == 32  # nor the floor above the step budget
+    off = _taught(PrefillBudget(-1.0, 64))
+    assert off.tokens(8192, decoding=8) == 8192
+
+
+def test_no_cap_until_the_line_is_known():
+    b = PrefillBudget(0.0, 64)
+    for _ in range(WARMUP_STEPS + 2):  # always the same size: no slope to fit
+        b.observe("extend", 512, 0.01)
+    b.observe("decode", 0, 0.01)
+    assert b.tokens(8192, decoding=4) == 8192
+
+
+def test_recent_steps_weigh_more():
+    b = _taught(PrefillBudget(0.0, 64))
+    for tokens in (500, 1500, 3000) * 20:  # the machine got twice as slow per token
+        b.observe("extend", tokens, 0.004 + 2e-5 * tokens)
+    assert b.extend.fit()[1] == pytest.approx(2e-5, rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(model="tiny", device="cpu", dtype="float32")
+
+
+def _workload():
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 9, 60, 70, 4, 66, 8, 55)]
+    params = [SamplingParams(max_new_tokens=12 + i % 4, temperature=0, ignore_eos=True) if i % 2 else
+              SamplingParams(max_new_tokens=12 + i % 4, temperature=0.9, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    return prompts, params
+
+
+def test_capped_steps_while_decoding(engine, monkeypatch):
+    prompts, params = _workload()
+    swap_scheduler(engine, chunked_prefill_size=64, itl_target_ms=-1)
+    ref = engine.generate(input_ids=prompts, sampling_params=params)
+
+    sched = swap_scheduler(engine, chunked_prefill_size=64, itl_target_ms=30.0, min_prefill_tokens=4)
+    budget = _taught(sched.prefill_budget, fixed=0.004, per_token=1e-3, decode=0.01)  # cap: 16 tokens
+    monkeypatch.setattr(budget, "observe", lambda *a: None)  # keep the taught line (CPU timings vary)
+    cap = budget.tokens(64, decoding=1)
+    assert cap == pytest.approx(16, abs=1)
+    steps = []  # (prompt tokens, requests decoding) per extend step
+    launch = sched._launch_extend
+
+    def record(chunks, decodes):
+        steps.append((sum(c.end - c.start for c in chunks), len(sched._decodable())))
+        return launch(chunks, decodes)
+    monkeypatch.setattr(sched, "_launch_extend", record)
+    got = engine.generate(input_ids=prompts, sampling_params=params)
+
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert all(tokens <= cap for tokens, decoding in steps if decoding), steps
+    assert any(tokens > cap for tokens, decoding in steps if not decoding), steps  # idle: the whole budget
+    assert sched.stats()["decode_steps"] > 0
+    assert_settled(engine, sched)
