@@ -175,9 +175,10 @@ class SchedulerArgs:
     )
 
     itl_target_ms: float = flag(
-        0.0, "While requests decode, cap each prefill step's prompt tokens so that the gap a stream sees "
+        -1.0, "While requests decode, cap each prefill step's prompt tokens so that the gap a stream sees "
         "(the prefill step plus its own decode step) stays within this many ms, from the measured step times "
-        "(0: 3x the recent decode step; -1: no cap, only --chunked-prefill-size). Needs chunking.",
+        "(0: 3x the recent decode step; -1, the default: no cap, only --chunked-prefill-size; off until it is "
+        "shown to pay, docs/perf.md). Needs chunking.",
     )
     min_prefill_tokens: int = flag(
         512, "The smallest prefill step the --itl-target-ms cap allows, so prompts progress under any decode "

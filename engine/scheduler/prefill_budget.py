@@ -2,7 +2,8 @@
 
 A prefill step between two decode steps stalls every running stream for its whole length. With
 requests decoding, the step's prompt tokens are capped so that its predicted time stays within a target
-inter-token latency: `--itl-target-ms`, or by default ITL_AUTO_FACTOR times the recent decode step.
+inter-token latency: `--itl-target-ms`, or with 0 ITL_AUTO_FACTOR times the recent decode step (off by
+default, -1: on one H100 the automatic target cost 0.62x the output tok/s at concurrency 64, docs/perf.md).
 Prefill time is predicted from the steps already run: a least-squares line (fixed cost + cost per token)
 over the recent extend steps, older steps weighing less. Until enough steps are seen, and with no
 request decoding, the full step budget applies (time to first token first). The cap never goes below

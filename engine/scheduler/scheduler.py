@@ -14,10 +14,10 @@ graphs); a mixed step runs eagerly, like every extend.
 
 Admission (`_build_extend`) takes waiting requests in policy order (fcfs or
 lpm) while the request table, --max-running-requests, the per-step prefill
-budget (--max-prefill-tokens, and --chunked-prefill-size when chunking; while
-requests decode, the cap of prefill_budget.py that keeps a stream's inter-token gap
-within --itl-target-ms) and KV memory allow. A request reuses the longest cached prefix of its tokens (at most
-all but its last token) and reserves slots for the rest of its prompt at once; a
+budget (--max-prefill-tokens, and --chunked-prefill-size when chunking; with
+--itl-target-ms, while requests decode, the cap of prefill_budget.py that keeps a
+stream's inter-token gap within it) and KV memory allow. A request reuses the
+longest cached prefix of its tokens (at most all but its last token) and reserves slots for the rest of its prompt at once; a
 prompt longer than the step budget is prefilled chunk by chunk across steps (one
 such request at a time). KV memory must also cover a reservation for the tokens
 the admitted requests will still generate (admission.py), so what is admitted
