@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from benchmarks.bench_moe_fp8 import graph_ms  # noqa: E402
 from kernels import tuned_configs as tc  # noqa: E402
 from kernels.fp8_math import FP8_DTYPE  # noqa: E402
 from kernels.fused_moe import fused_moe  # noqa: E402
@@ -75,21 +76,8 @@ def bandwidth() -> tuple[float, str]:
 
 
 def graph_us(fns) -> float:
-    """Median us of one call: a CUDA graph runs fns in turn; per call = replay / len(fns)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    ms = do_bench(g.replay, warmup=5, rep=30, return_mode="median")
-    del g
-    return ms * 1e3 / len(fns)
+    """Median us of one call, in a CUDA graph that runs fns in turn (bench_moe_fp8's timing)."""
+    return graph_ms(fns) * 1e3
 
 
 def int4_weights(n: int, seed: int):
