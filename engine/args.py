@@ -450,7 +450,8 @@ class ServerArgs:
     )
     max_json_depth: int = flag(64, "Deepest JSON nesting a request body may have; deeper ones get 400 (0: no limit).")
     max_sequences_per_request: int = flag(
-        512, "Most sequences (prompts x n) one request may ask for; more get 400 (0: no limit).",
+        512, "Most sequences (prompts x n, or x best_of when larger) one request may ask for; more get 400 "
+        "(0: no limit).",
     )
     max_request_prompt_tokens: int = flag(
         262144, "Most prompt tokens one request may carry over all its prompts; more get 400 (0: no limit).",

@@ -175,6 +175,10 @@ def test_fan_out_and_prompt_token_limits(app_client):
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_sequences"
     assert r.json()["error"]["param"] == "prompt"
     assert app_client.post("/v1/completions", json={"prompt": ["a"] * 8, "n": 8, "max_tokens": 1}).status_code == 200
+    r = app_client.post("/v1/completions", json={"prompt": ["a"] * 9, "best_of": 8, "temperature": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_sequences", r.text  # best_of fans out too
+    r = app_client.post("/v1/completions", json={"prompt": "a", "best_of": 65, "temperature": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
     many = [random.Random(1).randrange(1, VOCAB) for _ in range(1500)]
     r = app_client.post("/v1/completions", json={"prompt": [many, many], "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_prompt_tokens", r.text

@@ -5,7 +5,7 @@
 read). `decode_json` turns the bytes into JSON with a 400 for anything that is
 not: malformed or too deeply nested JSON (--max-json-depth), and strings that
 are not valid Unicode (a lone UTF-16 surrogate such as "\\ud800"), naming the
-field. `check_sequences` bounds prompts x n (--max-sequences-per-request) and
+field. `check_sequences` bounds prompts x n, or x best_of (--max-sequences-per-request), and
 `check_prompt_tokens` the prompt tokens of one request
 (--max-request-prompt-tokens). A limit of 0 is no limit.
 """
@@ -111,11 +111,15 @@ def _bad_unicode(path: str) -> APIError:
 
 
 def sequence_count(body) -> tuple[int, str]:
-    """(sequences the request asks for: prompts x n, the field to name when that is too many)."""
-    n = body.n or 1
+    """(sequences the request asks for: prompts x n, or prompts x best_of where completions' best_of
+    generates more; the field to name when that is too many)."""
+    n, field = body.n or 1, "n"
+    best_of = getattr(body, "best_of", None) or 1
+    if best_of > n:
+        n, field = best_of, "best_of"
     prompt = getattr(body, "prompt", None)
     if prompt is None or isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-        return n, "n"
+        return n, field
     return len(prompt) * n, "prompt"
 
 
