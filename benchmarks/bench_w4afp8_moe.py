@@ -33,13 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from benchmarks.bench_moe_fp8 import graph_ms  # noqa: E402
+from benchmarks.bench_moe_fp8 import graph_ms, routing  # noqa: E402  (the same V3 router, E and top-k)
 from kernels import tuned_configs as tc  # noqa: E402
 from kernels.fp8_math import FP8_DTYPE  # noqa: E402
 from kernels.fused_moe import fused_moe  # noqa: E402
 from kernels.fused_moe_w4a8 import DTYPE_NAME, fused_moe_w4a8, fused_moe_w4a8_ref  # noqa: E402
 from kernels.int4 import INT4_GROUP  # noqa: E402
-from kernels.moe_gate import moe_gate  # noqa: E402
 from tuning.search_space import moe_rows_cap  # noqa: E402
 
 E, HIDDEN, INTER, TOP_K = 256, 7168, 2048, 8
@@ -99,16 +98,6 @@ def fp8_weights(n: int, seed: int):
     s13 = torch.rand(E, -(-2 * n // 128), -(-HIDDEN // 128), device=DEV, generator=g) * 1e-4 + 0.5e-4
     s2 = torch.rand(E, -(-HIDDEN // 128), -(-n // 128), device=DEV, generator=g) * 1e-4 + 0.5e-4
     return w13, w2, s13, s2
-
-
-def routing(t: int, seed: int):
-    """The V3 router (noaux_tc, 8 groups, top-4 groups, top-8) on random logits."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    logits = torch.randn(t, E, device=DEV, generator=g)
-    bias = torch.randn(E, device=DEV, generator=g) * 0.1
-    w, ids = moe_gate(logits, top_k=TOP_K, method="noaux_tc", n_group=8, topk_group=4, correction_bias=bias,
-                      routed_scaling_factor=2.5)
-    return ids, w
 
 
 def expert_bytes(ws) -> float:

@@ -14,9 +14,9 @@ tensor-core dots against the even and odd columns of the FP8 activation tile; th
 product of the K step is scaled by (activation scale x weight scale) and accumulated in fp32.
 
 Steps are those of kernels/fused_moe.py (same routing alignment, kernels/moe_align.py, the same
-pieces around the GEMM, kernels/moe_common.py, and the same config keys, tuned per GPU by `dsctl tune-moe --dtype w4afp8`): [align + quantise x in one
-launch for decode sizes] -> GEMM1 (gate and up side by side, SiLU*up) -> quantise -> GEMM2
-(x routing weight) -> sum over top_k. No host sync: CUDA-graph safe. Ids outside [0, E)
+pieces around the GEMM, kernels/moe_common.py, and the same config keys, tuned per GPU by
+`dsctl tune-moe --dtype w4afp8`): [align + quantise x in one launch for decode sizes] -> GEMM1 (gate
+and up side by side, SiLU*up) -> quantise -> GEMM2 (x routing weight) -> sum over top_k. No host sync: CUDA-graph safe. Ids outside [0, E)
 (experts of another EP rank) contribute nothing.
 """
 

@@ -15,9 +15,9 @@ Search order: the user directory (the `user_dir` argument, else the one register
 per-user directory `dsctl tune-*` writes to by default (`per_user_dir`, platformdirs' user
 config dir + /configs), then kernels/configs/ shipped in the package. The first file found
 wins. Nothing here reads DSCTL_KERNEL_CONFIG_DIR (ENV_DIR): it is only the documented default
-of that flag, resolved by the engine (platformdirs itself honours XDG_CONFIG_HOME). A look-up picks the tuned M nearest the actual one (ties: the
-smaller), except beyond twice the largest tuned M (a search its time limit stopped early),
-where the default config is used: a small-M tile says little about a prefill-sized GEMM.
+of that flag, resolved by the engine (platformdirs itself honours XDG_CONFIG_HOME). A look-up picks
+the tuned M nearest the actual one (ties: the smaller), except beyond twice the largest tuned M (a
+search its time limit stopped early), where the default config is used: a small-M tile says little about a prefill-sized GEMM.
 With no file, defaults are used and a warning naming the `dsctl tune-moe` /
 `dsctl tune-fp8` command that would write it is logged once. `dsctl tune-*` (tuning/)
 writes files with `save_configs`.

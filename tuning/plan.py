@@ -2,7 +2,8 @@
 
 The estimate models compile time (Triton, per config, spread over the compile workers) and
 timing (graph capture and replays of every evaluation the staged search makes). Its constants
-are estimates not yet calibrated on an H100 (docs/perf.md, "Kernel config tuning"); treat the result as the order of magnitude.
+are estimates not yet calibrated on an H100 (docs/perf.md, "Kernel config tuning"); treat the result as
+the order of magnitude.
 """
 
 from __future__ import annotations

@@ -224,7 +224,8 @@ def parse_config(cfg: dict) -> ModelConfig:
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     if kv_heads != heads:
-        raise ConfigError(f"config.json: num_key_value_heads {kv_heads} != num_attention_heads {heads} (MLA needs equal)")
+        raise ConfigError(f"config.json: num_key_value_heads {kv_heads} != num_attention_heads {heads} "
+                          "(MLA needs equal)")
     return ModelConfig(
         model_type=model_type,
         vocab_size=int(cfg["vocab_size"]),

@@ -67,7 +67,7 @@ class Thresholds:
 # H100 / H200 NVLink: benchmarks/bench_all_reduce.py measures these and prints a table in this form. 2 GPUs: measured
 # on H100 (2026-11-27); 4-8 GPUs: first guesses, not measured yet.
 DEFAULT_THRESHOLDS: dict[int, Thresholds] = {
-    2: Thresholds(one_shot_max=2 * MIB, two_shot_max=2 * MIB),  # measured on 2 x H100 (docs/perf.md); two-shot never wins
+    2: Thresholds(one_shot_max=2 * MIB, two_shot_max=2 * MIB),  # 2 x H100 (docs/perf.md); two-shot never wins
     4: Thresholds(one_shot_max=256 * KIB, two_shot_max=4 * MIB),
     6: Thresholds(one_shot_max=128 * KIB, two_shot_max=4 * MIB),
     8: Thresholds(one_shot_max=128 * KIB, two_shot_max=4 * MIB),

@@ -159,5 +159,6 @@ def judge(plan: MemoryPlan, pool: Optional[int] = None) -> Verdict:
         v.warnings.append(
             f"a DP group's KV pool of {have:,} tokens holds {have // typical} requests of {typical:,} tokens at once, "
             f"fewer than --max-running-requests {s.max_running_requests}: more wait or are retracted; lower "
-            f"--max-running-requests to {max(1, have // typical)}" + (f", or {_advice(more, f'{need:,}')}" if more else ""))
+            f"--max-running-requests to {max(1, have // typical)}"
+            + (f", or {_advice(more, f'{need:,}')}" if more else ""))
     return v

@@ -45,7 +45,7 @@ from engine.distributed.groups import TPGroup
 from engine.forward_batch import ForwardBatch
 from engine.model.context import ForwardContext
 from engine.model.kernel_set import REFERENCE, Kernels
-from engine.model.layers import Activation, Linear, RMSNorm, solo_group, tp_local
+from engine.model.layers import Activation, Linear, RMSNorm, solo_group, stacked, tp_local
 
 
 class MLA(nn.Module):
@@ -103,17 +103,9 @@ class MLA(nn.Module):
         (576 rows: 5, the last covering 64) follow q_a's on a block boundary; otherwise they stay apart."""
         if not hasattr(self, "q_a_proj"):
             return  # no q_lora_rank (V2-Lite): q_proj is split by heads, kv_a is not
-        q_a, kv_a = self.q_a_proj, self.kv_a_proj_with_mqa
-        block = q_a.fp8_block
-        if block is not None and q_a.out_features % block[0]:
+        merged = stacked(self.q_a_proj, self.kv_a_proj_with_mqa, self.kernels)
+        if merged is None:
             return
-        with torch.device("meta"):  # shapes only: the parameters are replaced just below
-            merged = Linear(q_a.in_features, q_a.out_features + kv_a.out_features, q_a.weight.dtype, block,
-                            self.kernels)
-        merged.weight = nn.Parameter(torch.cat([q_a.weight, kv_a.weight]), requires_grad=False)
-        if block is not None:
-            merged.weight_scale_inv = nn.Parameter(torch.cat([q_a.weight_scale_inv, kv_a.weight_scale_inv]),
-                                                   requires_grad=False)
         del self.q_a_proj, self.kv_a_proj_with_mqa
         self.qkv_a_proj = merged
 

@@ -134,6 +134,23 @@ class Linear(nn.Module):
         return self.kernels.gemm(x, self.weight, self.weight_scale_inv, self.fp8_block)
 
 
+def stacked(first: Linear, second: Linear, kernels: Kernels) -> Optional[Linear]:
+    """One Linear whose output rows are first's then second's (one GEMM for two that read the same input), or
+    None where FP8 scale blocks would straddle the two: first's rows must be whole blocks, so that second's
+    scale rows start on a block boundary (second's last block may be partial)."""
+    block = first.fp8_block
+    if block is not None and first.out_features % block[0]:
+        return None
+    with torch.device("meta"):  # shapes only: the parameters are replaced just below
+        merged = Linear(first.in_features, first.out_features + second.out_features, first.weight.dtype, block,
+                        kernels)
+    merged.weight = nn.Parameter(torch.cat([first.weight, second.weight]), requires_grad=False)
+    if block is not None:
+        merged.weight_scale_inv = nn.Parameter(torch.cat([first.weight_scale_inv, second.weight_scale_inv]),
+                                               requires_grad=False)
+    return merged
+
+
 class MLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)).
 
@@ -160,16 +177,9 @@ class MLP(nn.Module):
     def merge_gate_up(self) -> None:
         """Replace gate_proj and up_proj by one gate_up_proj holding both (gate rows first). FP8 weights
         merge when the rows are whole scale blocks (every shape that runs FP8: check_model_divisible)."""
-        gate, up = self.gate_proj, self.up_proj
-        block = gate.fp8_block
-        if block is not None and self.local % block[0]:
+        merged = stacked(self.gate_proj, self.up_proj, self.kernels)
+        if merged is None:
             return  # a scale block would straddle the two halves: keep them apart
-        with torch.device("meta"):  # shapes only: the parameters are replaced just below
-            merged = Linear(gate.in_features, 2 * self.local, gate.weight.dtype, block, self.kernels)
-        merged.weight = nn.Parameter(torch.cat([gate.weight, up.weight]), requires_grad=False)
-        if block is not None:
-            merged.weight_scale_inv = nn.Parameter(torch.cat([gate.weight_scale_inv, up.weight_scale_inv]),
-                                                   requires_grad=False)
         del self.gate_proj, self.up_proj
         self.gate_up_proj = merged
 

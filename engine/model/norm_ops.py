@@ -7,8 +7,8 @@
 - `triton_norm_quant`: RMSNorm and the FP8 group quantisation of the block-FP8 GEMM it feeds in one
   kernel (kernels/rms_norm_quant.py): (q e4m3, column-major float32 scales), bit-equal to `triton_rms_norm`
   then the GEMM's own quantisation, or None where the kernel does not run (under torch.compile, inputs it
-  does not take, float32 activations on a GPU): the caller then norms and lets the GEMM quantise, as without it. `torch_norm_quant` is
-  its reference (two steps in plain torch).
+  does not take, float32 activations on a GPU): the caller then norms and lets the GEMM quantise, as
+  without it. `torch_norm_quant` is its reference (two steps in plain torch).
 """
 
 from __future__ import annotations

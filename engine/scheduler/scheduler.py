@@ -17,9 +17,10 @@ lpm) while the request table, --max-running-requests, the per-step prefill
 budget (--max-prefill-tokens, and --chunked-prefill-size when chunking; with
 --itl-target-ms, while requests decode, the cap of prefill_budget.py that keeps a
 stream's inter-token gap within it) and KV memory allow. A request reuses the
-longest cached prefix of its tokens (at most all but its last token) and reserves slots for the rest of its prompt at once; a
-prompt longer than the step budget is prefilled chunk by chunk across steps (one
-such request at a time). KV memory must also cover a reservation for the tokens
+longest cached prefix of its tokens (at most all but its last token) and
+reserves slots for the rest of its prompt at once; a prompt longer than the
+step budget is prefilled chunk by chunk across steps (one such request at a
+time). KV memory must also cover a reservation for the tokens
 the admitted requests will still generate (admission.py), so what is admitted
 can keep decoding. KV memory is found by evicting unlocked radix-cache leaves
 (LRU) first; when a decode step still lacks slots, the newest requests are
@@ -68,14 +69,14 @@ from typing import Optional
 import torch
 
 from engine.args import SchedulerArgs
-from engine.forward_batch import ForwardBatch, ForwardMode, to_device
+from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.grammar.matcher import GrammarMasks
 from engine.grammar.pending import PendingGrammars
 from engine.memory.request_memory import RequestMemory
 from engine.runner.model_runner import ModelRunner
 from engine.sampling import PendingSample, sample_async
 from engine.scheduler.admission import Reservation
-from engine.scheduler.history import sampling_history
+from engine.scheduler.history import sampling_history, tokens_in_flight
 from engine.scheduler.output import RequestOutput
 from engine.scheduler.policy import POLICIES, order_waiting
 from engine.scheduler.prefill_budget import PrefillBudget
@@ -169,13 +170,16 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling is not None or self._pending is not None
-                    or self.compiling)
+        return self._busy() or bool(self.compiling)
+
+    def _busy(self) -> bool:
+        """Requests queued or running, or a step in flight (requests whose grammar compiles aside)."""
+        return bool(self.waiting or self.running or self.prefilling is not None or self._pending is not None)
 
     def _queue_compiled(self) -> None:
         """Queue the requests whose grammar finished compiling; fail those whose compile failed. With nothing
         else to run, wait a moment for a compile first (rather than spin)."""
-        if not (self.waiting or self.running or self.prefilling is not None or self._pending is not None):
+        if not self._busy():
             self.compiling.wait()
         for req, error in self.compiling.ready():
             if error is None:
@@ -571,9 +575,7 @@ class Scheduler:
 
     def _inputs_from_pending(self, reqs: list[Request], host_ids: torch.Tensor) -> torch.Tensor:
         """Decode inputs: a request's previous token is read from the device when not processed yet."""
-        prev = self._pending.sample.tokens
-        src = to_device([r.pending_row if r.pending else -1 for r in reqs], prev.device)  # not blocking
-        return torch.where(src >= 0, prev[src.clamp(min=0)], host_ids)
+        return tokens_in_flight(reqs, self._pending.sample.tokens, host_ids)
 
     def _step_done(self, launch: Launch) -> None:
         """A step's results are in: its time from the later of its launch and the previous step's end."""

@@ -124,7 +124,8 @@ def test_packed_experts_are_the_int4_quantised_fp8_weights_and_split_consistentl
     n = cfg.moe_intermediate_size // 2
     for r in range(2):
         local = loaded[f"tp2.{r}"][0]
-        rows = torch.cat((torch.arange(r * n, (r + 1) * n), cfg.moe_intermediate_size + torch.arange(r * n, (r + 1) * n)))
+        mine = torch.arange(r * n, (r + 1) * n)
+        rows = torch.cat((mine, cfg.moe_intermediate_size + mine))
         assert torch.equal(local["layers.1.mlp.w13"], full["layers.1.mlp.w13"][:, rows])
         assert torch.equal(local["layers.1.mlp.w13_scale"], full["layers.1.mlp.w13_scale"][:, rows])
         assert torch.equal(local["layers.1.mlp.w2"], full["layers.1.mlp.w2"][..., r * n // 2:(r + 1) * n // 2])

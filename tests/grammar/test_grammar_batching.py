@@ -58,7 +58,8 @@ def test_constrained_and_unconstrained_in_one_batch(eng):
 
 def test_regex_ebnf_and_sampled_rows(eng):
     jobs = [(PROMPT, _params(40, ), GrammarSpec("regex", r"(yes|no)-[0-9]{3}")),
-            (OTHER, SamplingParams(max_new_tokens=40, temperature=1.0, seed=5), GrammarSpec("ebnf", 'root ::= "a" [b-d]+ "!"')),
+            (OTHER, SamplingParams(max_new_tokens=40, temperature=1.0, seed=5),
+             GrammarSpec("ebnf", 'root ::= "a" [b-d]+ "!"')),
             (OTHER, SamplingParams(max_new_tokens=64, temperature=1.0, seed=6), JSON_SPEC)]
     regex, ebnf, sampled = _run(eng, jobs)
     assert re.fullmatch(r"(yes|no)-[0-9]{3}", eng.tokenizer.decode(regex.token_ids)) and regex.finish_reason == "stop"

@@ -22,7 +22,8 @@ from engine.grammar.utf8 import scalar_only
 
 VOCAB = 1024
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3}},
+                                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                                                    "maxItems": 3}},
           "required": ["name", "tags"], "additionalProperties": False}
 
 

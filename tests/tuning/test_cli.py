@@ -34,7 +34,8 @@ def test_dry_run_ep_and_fp8_shapes():
     res = _invoke("tune-moe", "--model", "deepseek-v3", "--tp", "8", "--ep", "8", "--dry-run", "--batch-sizes", "1,64")
     assert res.exit_code == 0, res.output
     assert "E=32 N=2048" in res.output
-    res = _invoke("tune-moe", "--model", "deepseek-v3", "--tp", "8", "--ep-size", "8", "--dry-run", "--batch-sizes", "1")
+    res = _invoke("tune-moe", "--model", "deepseek-v3", "--tp", "8", "--ep-size", "8", "--dry-run",
+                  "--batch-sizes", "1")
     assert res.exit_code == 0 and "E=32 N=2048" in res.output, res.output  # the engine's flag name works too
     res = _invoke("tune-fp8", "--model", "deepseek-v3", "--tp", "8", "--dry-run", "--shapes", "2112x7168,7168x2048",
                   "--batch-sizes", "1,64")
@@ -61,7 +62,8 @@ def test_option_errors(args, match):
 def test_no_gpu_error_is_one_line(tiny_model):
     res = run_dsctl("tune-moe", "--model", tiny_model, "--tp", "1", interpret=False, timeout=120)
     assert res.returncode != 0
-    assert res.stderr.strip().startswith("error: tune-moe needs a CUDA GPU") and len(res.stderr.strip().splitlines()) == 1
+    err = res.stderr.strip()
+    assert err.startswith("error: tune-moe needs a CUDA GPU") and len(err.splitlines()) == 1
     assert "Traceback" not in res.stderr
     from tuning.errors import NoGpuError
     assert issubclass(NoGpuError, DsctlError)
