@@ -1,6 +1,7 @@
 """Parallel layouts by short name for the multi-GPU benchmarks: tp<N>[-dp<D>][-ep<N>].
 
-    tp1, tp2 (tensor parallel), tp2-dp2 (+ DP attention, 2 groups), tp2-ep2 (+ expert parallel MoE)
+    tp1, tp2 (tensor parallel), tp2-dp2 (+ DP attention, 2 groups), tp2-ep2 (+ expert parallel MoE),
+    tp2-ep2-a2a (expert parallel by all-to-all: --moe-a2a-backend torch)
 
 `engine_flags(name)` gives EngineArgs field values, `cli_flags(name)` the `dsctl` options,
 `split(name)` the (tp, dp) that the per-GPU bytes floor (engine/distributed/step_floor.py) takes.
@@ -15,9 +16,12 @@ import sys
 def engine_flags(name: str) -> dict:
     flags = {}
     for part in name.split("-"):
+        if part == "a2a":  # expert parallel by all-to-all (with an ep part)
+            flags["moe_a2a_backend"] = "torch"
+            continue
         kind, n = part[:2], part[2:]
         if not n.isdigit() or kind not in ("tp", "dp", "ep"):
-            raise ValueError(f"bad layout part {part!r} in {name!r} (use e.g. tp2, tp2-dp2, tp2-ep2)")
+            raise ValueError(f"bad layout part {part!r} in {name!r} (use e.g. tp2, tp2-dp2, tp2-ep2, tp2-ep2-a2a)")
         if kind == "tp":
             flags["tp_size"] = int(n)
         elif kind == "dp":

@@ -13,8 +13,9 @@ through every graph size), with log-probs and the top 5 alternatives.
 
 Modes: eager (--disable-cuda-graph), graph (CUDA graphs of sizes 1, 4, 16, smaller batches padded),
 graph+compile (the same with --enable-torch-compile). `--num-layers fit`: the deepest truncation of
-the model that every layout's ranks hold on this machine's GPUs (engine.distributed.sizing, with room
-for 64k KV tokens), e.g. DeepSeek-V3 on two GPUs. The reference is the first layout in eager mode (tp1 by default).
+the model that every layout's ranks hold on this machine's GPUs (the memory plan of engine/memory/plan.py
+for these flags, as the launch check makes it, with a KV pool of 64k tokens), e.g. DeepSeek-V3 on two GPUs.
+The reference is the first layout in eager mode (tp1 by default).
 
 In bf16 a different TP split or DP batch changes the order of floating-point sums, so a run may
 pick another token where the reference's two best tokens are nearly tied. For every prompt that
@@ -160,31 +161,25 @@ def print_table(runs: list[Run], ref: Run, tie_gap: float) -> bool:
     return ok_all
 
 
-def fit_layers(model: str, layouts: list[str], min_kv_tokens: int = 65536, spare_layers: int = 1) -> int:
-    """The deepest truncation of `model` (dummy weights, FP8 where its checkpoint is) whose weights plus
-    `min_kv_tokens` of KV fit every layout's ranks on GPU 0's memory, less `spare_layers` for what the
-    plan does not count (CUDA graphs, the MoE workspace)."""
-    import torch
+def fit_layers(base: dict, layouts: list[str], gpu_bytes: float, min_kv_tokens: int = 65536,
+               spare_layers: int = 1) -> int:
+    """The deepest truncation of the model of `base` (the runs' engine flags: dummy weights, FP8 where its
+    checkpoint is) at which the memory plan (engine/memory/plan.py, from the flags as the launch check reads them)
+    gives every layout's ranks a KV pool of `min_kv_tokens` on GPUs of `gpu_bytes` (CUDA's total), less
+    `spare_layers` for what the plan does not count (CUDA graphs, the MoE workspace)."""
+    from engine.args import EngineArgs
+    from engine.checkpoint.resolve import resolve_model
+    from engine.memory.plan import plan_memory
+    from engine.runtime.launch_checks import plan_spec
 
-    from engine.checkpoint.config import parse_config
-    from engine.checkpoint.registry import lookup
-    from engine.distributed.sizing import Layout, plan_memory
-
-    cfg = parse_config(lookup(model).config_dict())
-    gpu = torch.cuda.get_device_properties(0).total_memory
-    block = (cfg.fp8.block_n, cfg.fp8.block_k) if cfg.fp8 else None
+    runs = [EngineArgs.of(**base, **engine_flags(name)) for name in layouts]
+    resolved = resolve_model(runs[0].model)
 
     def fits(n: int) -> bool:
-        for name in layouts:
-            f = engine_flags(name)
-            tp, dp = f.get("tp_size", 1), f.get("dp_size", 1)
-            layout = Layout(tp, gpu, fp8_block=block, include_mtp=bool(cfg.num_nextn_predict_layers),
-                            gpus_per_node=tp, attn_tp_size=tp // dp, ep_size=f.get("ep_size", 1))
-            if plan_memory(cfg.with_num_layers(n), layout).kv_tokens < min_kv_tokens:
-                return False
-        return True
+        return all(plan_memory(plan_spec(a.replace(num_layers=n), resolved, a.parallel.config(), gpu_bytes))
+                   .memory_tokens >= min_kv_tokens for a in runs)
 
-    n = cfg.num_hidden_layers
+    n = resolved.config.num_hidden_layers
     while n > 1 and not fits(n):
         n -= 1
     return max(1, n - spare_layers)
@@ -232,14 +227,19 @@ def main(argv=None) -> int:
         runs = [stored_run(json.loads(line)) for line in open(a.from_jsonl)]
         return 0 if print_table(runs, runs[0], a.tie_gap) else 1
     layouts, modes = a.layouts.split(","), a.modes.split(",")
-    layers = fit_layers(a.model, layouts) if a.num_layers == "fit" else int(a.num_layers)
-    if a.num_layers == "fit":
-        print(f"{a.model}: {layers} layers fit every layout of {', '.join(layouts)} on this machine's GPUs")
     base = dict(model=a.model, load_format=a.load_format, device=a.device, dtype=a.dtype,
-                max_model_len=a.max_model_len, num_layers=layers or None)
+                max_model_len=a.max_model_len)
     for kv in a.engine_flag:
         name, value = kv.split("=", 1)
         base[name] = _value(value)
+    if a.num_layers == "fit":
+        import torch
+
+        layers = fit_layers(base, layouts, torch.cuda.get_device_properties(0).total_memory)
+        print(f"{a.model}: {layers} layers fit every layout of {', '.join(layouts)} on this machine's GPUs")
+    else:
+        layers = int(a.num_layers)
+    base["num_layers"] = layers or None
     from engine.checkpoint.config import parse_config
     from engine.checkpoint.registry import lookup
 

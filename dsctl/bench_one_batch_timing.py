@@ -215,9 +215,9 @@ def add_floors(runner, results: list[OneBatchResult], bandwidth: Optional[float]
 
 
 def layout_name(tp) -> str:
-    """"tp2", "tp2 dp2", "tp2 ep2": the parallel layout of a run, as the tables name it."""
+    """"tp2", "tp2 dp2", "tp2 ep2", "tp2 ep2 a2a": the parallel layout of a run, as the tables name it."""
     parts = [f"tp{tp.size}"] + ([f"dp{tp.dp_size}"] if tp.dp_size > 1 else []) + \
-        ([f"ep{tp.ep_size}"] if tp.ep_size > 1 else [])
+        ([f"ep{tp.ep_size}"] if tp.ep_size > 1 else []) + (["a2a"] if tp.exchanges_tokens else [])
     return " ".join(parts)
 
 

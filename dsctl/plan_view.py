@@ -25,7 +25,7 @@ def _part_note(plan: MemoryPlan, part: str) -> str:
                    + (f"; DP attention replicates it in each of {s.dp} groups" if s.dp > 1 else ""),
         EXPERTS: (f"{cfg.n_routed_experts // max(1, s.ep)} whole experts per rank (EP {s.ep})" if s.ep > 1
                   else f"each expert split over {s.tp} ranks") + f"; {s.quant.name}",
-        DENSE: f"split over {s.tp} ranks",
+        DENSE: f"split over {s.tp} ranks" + ("; shared experts whole (all-to-all EP)" if s.a2a else ""),
         SMALL: "whole on every rank",
         MTP: "the NextN layer the checkpoint ships (built whether or not it speculates)",
     }

@@ -331,16 +331,25 @@ class ParallelArgs:
                            "--tp). Each group of --tp / --dp ranks runs attention TP-split on its own requests.",
                         aliases=("--dp",))
     enable_dp_attention: bool = flag(
-        False, "DP attention: each DP rank keeps its own KV cache and batch; MoE layers gather every rank's tokens.",
+        False, "DP attention: each DP rank keeps its own KV cache and batch; MoE layers gather every rank's tokens "
+        "(or exchange them by all-to-all: --moe-a2a-backend).",
     )
-    load_balance_method: str = flag(
-        "round_robin", "DP attention: how new requests are spread over the DP groups: 'round_robin', or "
-        "'shortest_queue' (the group with the fewest running + waiting requests).",
-        choices=("round_robin", "shortest_queue"),
+    load_balance_method: Optional[str] = flag(
+        None, "DP attention: how new requests are spread over the DP groups: 'total_tokens' (the default: the "
+        "group with the least KV held + queued, counting prompt + max_new_tokens of what was sent since its last "
+        "report), 'shortest_queue' (the fewest running + waiting requests) or 'round_robin'.",
+        choices=("total_tokens", "shortest_queue", "round_robin"),
     )
     ep_size: int = flag(1, "Expert-parallel size: ranks that split the routed experts (must equal --tp).",
                         aliases=("--ep",))
     enable_ep_moe: bool = flag(False, "Expert parallel MoE over all TP ranks (same as --ep-size equal to --tp).")
+    moe_a2a_backend: str = flag(
+        "none", "Expert parallel token exchange: 'none' (every rank sees every token: gathered before each MoE "
+        "layer, partial outputs all-reduced) or 'torch' (all-to-all through torch.distributed, NCCL / gloo: each "
+        "token goes only to the ranks of its experts and back; shared experts whole on every rank). Needs "
+        "--ep-size equal to --tp.",
+        choices=("none", "torch"),
+    )
     nnodes: int = flag(1, "Nodes in the job; node 0 serves HTTP, the others run engine ranks only.")
     node_rank: int = flag(0, "This node's index, 0..--nnodes-1.")
     dist_init_addr: Optional[str] = flag(
@@ -357,14 +366,14 @@ class ParallelArgs:
         ep = self.tp_size if self.enable_ep_moe and self.ep_size == 1 else self.ep_size
         dp = self.tp_size if self.enable_dp_attention and self.dp_size == 1 else self.dp_size
         return ParallelConfig(tp_size=self.tp_size, dp_size=dp, enable_dp_attention=self.enable_dp_attention,
-                              ep_size=ep, nnodes=self.nnodes, node_rank=self.node_rank,
-                              dist_init_addr=self.dist_init_addr, base_gpu_id=self.base_gpu_id,
+                              ep_size=ep, moe_a2a_backend=self.moe_a2a_backend, nnodes=self.nnodes,
+                              node_rank=self.node_rank, dist_init_addr=self.dist_init_addr, base_gpu_id=self.base_gpu_id,
                               dist_timeout=self.dist_timeout)
 
     def validate(self, device: str = "auto") -> None:
         _check_choices(self)
         self.config().validate(device_type="cuda" if device == "cuda" else "cpu")
-        if self.load_balance_method != "round_robin" and not self.enable_dp_attention:
+        if self.load_balance_method is not None and not self.enable_dp_attention:
             raise UsageError(f"--load-balance-method {self.load_balance_method} spreads requests over DP attention "
                              "groups: add --enable-dp-attention --dp N, or drop it")
 

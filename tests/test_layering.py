@@ -26,7 +26,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.checkpoint",),  # model registry, config.json, resolution, tokenizer, cache dir, built-in models
     ("engine.sampling", "engine.forward_batch"),  # sampling parameters / sampling; one forward's batch
     ("engine.grammar",),  # grammar-constrained decoding: specs, compiled grammars, matchers, token masks
-    ("engine.distributed",),  # process groups, collectives, sizing, DP-attention gathers
+    # process groups, collectives, DP-attention gathers, a decode step's bytes floor; weight bytes by TP part
+    ("engine.distributed", "engine.memory.weight_tally"),
     ("engine.memory",),  # KV pool, request table, radix cache, request memory
     ("engine.weights",),  # tensors from checkpoints (or dummy) into modules
     ("engine.model",),  # the DeepSeek modules, attention / MoE backends, the kernel registry

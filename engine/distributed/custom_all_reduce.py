@@ -68,7 +68,7 @@ class Thresholds:
 # on H100 (2026-11-27); 4-8 GPUs: first guesses, not measured yet.
 DEFAULT_THRESHOLDS: dict[int, Thresholds] = {
     2: Thresholds(one_shot_max=2 * MIB, two_shot_max=2 * MIB),  # 2 x H100 (docs/perf.md); two-shot never wins
-    4: Thresholds(one_shot_max=256 * KIB, two_shot_max=4 * MIB),
+    4: Thresholds(one_shot_max=512 * KIB, two_shot_max=512 * KIB),  # 4 x H200 (docs/perf.md); two-shot never wins
     6: Thresholds(one_shot_max=128 * KIB, two_shot_max=4 * MIB),
     8: Thresholds(one_shot_max=128 * KIB, two_shot_max=4 * MIB),
 }

@@ -53,6 +53,7 @@ class TPGroup:
     attn: Optional["TPGroup"] = None  # DP attention: this rank's attention-TP group (None: this group)
     dp_size: int = 1  # DP attention groups in this group
     dp_rank: int = 0  # this rank's DP group
+    moe_a2a: str = "none"  # --moe-a2a-backend: how MoE tokens reach the experts' ranks ("none": gather / all-reduce)
 
     @property
     def is_first(self) -> bool:
@@ -65,6 +66,12 @@ class TPGroup:
     def attention(self) -> "TPGroup":
         """The group attention, embedding and lm_head are split over (this group unless DP attention)."""
         return self.attn if self.attn is not None else self
+
+    @property
+    def exchanges_tokens(self) -> bool:
+        """MoE layers send each token to its experts' ranks by all-to-all (engine/distributed/token_exchange.py);
+        the shared experts are then whole on every rank, which runs them on its own tokens."""
+        return self.moe_a2a != "none"
 
     @property
     def ep_rank(self) -> int:
@@ -140,7 +147,8 @@ def init_parallel(config: ParallelConfig, local_rank: int, device_type: str = "c
     dp = config.dp_size if config.enable_dp_attention else 1
     attn = _attention_group(rank, world, dp, timeout) if dp > 1 else None
     tp = TPGroup(rank=rank, size=world, ranks=ranks, device_group=device_group, cpu_group=cpu_group,
-                 ep_size=config.ep_size, attn=attn, dp_size=dp, dp_rank=rank // (world // dp))
+                 ep_size=config.ep_size, attn=attn, dp_size=dp, dp_rank=rank // (world // dp),
+                 moe_a2a=config.moe_a2a_backend)
     state = ParallelState(world_rank=rank, world_size=world, local_rank=local_rank, device=device, tp=tp,
                           backend=backend, owns_world=True)
     warm = torch.ones(1, device=device)

@@ -23,6 +23,7 @@ class ParallelConfig:
     dp_size: int = 1
     enable_dp_attention: bool = False
     ep_size: int = 1
+    moe_a2a_backend: str = "none"  # how MoE tokens reach their experts' ranks (engine/distributed/token_exchange.py)
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: Optional[str] = None  # "HOST:PORT" of node 0's rendezvous, the same on every node
@@ -108,6 +109,10 @@ class ParallelConfig:
         if self.ep_size > 1 and self.ep_size != self.tp_size:
             raise UsageError(f"--ep-size {self.ep_size} must equal --tp {self.tp_size}: every TP rank owns "
                              "n_routed_experts / tp whole experts (or use --enable-ep-moe)")
+        if self.moe_a2a_backend != "none" and self.ep_size == 1:
+            raise UsageError(f"--moe-a2a-backend {self.moe_a2a_backend} sends tokens to the ranks of their experts, "
+                             "which needs expert parallelism: add --ep-size equal to --tp (at --tp 2 or more), or "
+                             "drop it")
 
 
 def parse_host_port(addr: str) -> tuple[str, int]:

@@ -4,7 +4,7 @@ A decode step reads, once, every weight it touches and the KV cache it attends o
 faster than those bytes at the GPU's device-to-device copy bandwidth (`copy_bandwidth`). Per rank
 of a layout (`tp` ranks, `dp` DP-attention groups of tp / dp ranks each):
 
-- weights, counted by engine/distributed/sizing.py's `Tally` (the memory plan's own count): norms,
+- weights, counted by engine/memory/weight_tally.py's `Tally` (the memory plan's own count): norms,
   q_a / kv_a whole on every rank, q_b (or q) / kv_b / o_proj over the attention-TP group (kv_b stands
   for the absorbed w_kc / w_vc a decode step reads: the same weights), the dense MLP, the shared
   experts and the routed experts the batch's tokens select over all tp ranks (the expected count
@@ -28,7 +28,7 @@ import torch
 
 from engine.checkpoint.config import ModelConfig, parse_config
 from engine.checkpoint.registry import lookup
-from engine.distributed.sizing import ATTN, REPL, SPLIT, Tally
+from engine.memory.weight_tally import ATTN, REPL, SPLIT, Tally
 
 FP8_BLOCK = (128, 128)  # the weight tile of --quantization fp8 (a block-FP8 checkpoint brings its own)
 

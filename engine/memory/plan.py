@@ -29,8 +29,8 @@ from typing import Optional
 
 from engine.args import EngineArgs
 from engine.checkpoint.config import ModelConfig
-from engine.distributed.sizing import ATTN, REPL, SPLIT, Tally
 from engine.memory.formats import QUANTIZATIONS, Quantization, quantization_for
+from engine.memory.weight_tally import ATTN, REPL, SPLIT, Tally
 
 GB = 1e9  # the unit of the engine's start-up log line ("weights 67.60 GB") and of --gpu-memory-gb
 # What a rank holds when its KV pool is sized besides the weights and the request table, measured on H100 80GB as
@@ -58,6 +58,7 @@ class PlanSpec:
     tp: int = 1
     dp: int = 1  # DP attention groups (1: plain attention)
     ep: int = 1
+    a2a: bool = False  # --moe-a2a-backend other than none: the shared experts are whole on every rank
     gpus_per_node: int = 8
     quant: Quantization = field(default_factory=lambda: QUANTIZATIONS["fp8"])
     dtype_bytes: int = 2
@@ -109,22 +110,18 @@ class _Parts:
 
 def _layer(parts: _Parts, cfg: ModelConfig, spec: PlanSpec, moe: bool, into: Optional[str] = None) -> None:
     """One decoder layer into its parts (or all into `into`, for the MTP layer)."""
-    db, block = spec.dtype_bytes, spec.quant.fp8_block
-    attn, small, mlp, experts = (Tally(db, block) for _ in range(4))
+    db = spec.dtype_bytes
+    attn, small, mlp, experts = (Tally(db, spec.quant.fp8_block) for _ in range(4))
     small.dense(2 * cfg.hidden_size, REPL)  # input / post-attention norms
-    attn.attention(cfg)
-    attn.absorbed += cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank * db
+    attn.attention(cfg)  # with the absorbed w_kc / w_vc
     if not moe:
         mlp.mlp(cfg.hidden_size, cfg.intermediate_size)
     else:
         h, e, n = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
-        small.dense(e * h, REPL)  # router
-        if cfg.topk_method == "noaux_tc":
-            small.dense(e, REPL, itemsize=4)
+        small.router(cfg)
         fmt = spec.quant.experts
-        experts.bytes[SPLIT] += e * (fmt.nbytes(2 * n, h, db) + fmt.nbytes(h, n, db))  # w13, w2 (EP: whole ones)
-        if cfg.n_shared_experts:
-            mlp.mlp(h, cfg.n_shared_experts * n)
+        experts.add(e * (fmt.nbytes(2 * n, h, db) + fmt.nbytes(h, n, db)), SPLIT)  # w13, w2 (EP: whole ones)
+        mlp.shared_experts(cfg, REPL if spec.a2a else SPLIT)
     for part, t in ((ATTENTION, attn), (SMALL, small), (DENSE, mlp), (EXPERTS, experts)):
         parts.add(into or part, t)
 
@@ -260,7 +257,8 @@ def spec_from_args(args: EngineArgs, cfg: ModelConfig, *, tp: int, dp: int, ep: 
     """A plan's input from the flags, the (--num-layers) config and what the launcher or the runner knows: the
     layout (`dp`: DP attention groups), the FP8 block kept on the GPU, whether the MTP layer is built, the card."""
     return PlanSpec(
-        cfg, args.model.model, tp=tp, dp=dp, ep=ep, gpus_per_node=gpus_per_node,
+        cfg, args.model.model, tp=tp, dp=dp, ep=ep, a2a=args.parallel.moe_a2a_backend != "none",
+        gpus_per_node=gpus_per_node,
         quant=quantization_for(quantization_name(args.model.quantization, fp8_block, cfg), fp8_block,
                                cfg.experts_int4_group or 128),
         dtype_bytes=4 if args.model.dtype == "float32" else 2,

@@ -74,7 +74,7 @@ def build_model(config: ModelConfig, num_layers: int, dtype: torch.dtype, device
     modules run (None: `default_kernels`)."""
     tp = tp or solo_group()
     want_mtp = has_mtp_layer(config, checkpoint) if mtp is None else mtp
-    kernels = kernels or default_kernels(config, dtype, torch.device(device), fp8_block)
+    kernels = kernels or default_kernels(config, dtype, torch.device(device), fp8_block, tp)
     with torch.device(device):
         modules = make_modules(config, num_layers, dtype, fp8_block, tp, want_mtp, kernels)
     model, mtp_layer = modules[""], modules.get("mtp.")
@@ -91,9 +91,11 @@ def build_model(config: ModelConfig, num_layers: int, dtype: torch.dtype, device
 
 
 def default_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                    fp8_block: Optional[tuple[int, int]]) -> Kernels:
-    """What 'auto' picks for every per-call op of a model built on `device` outside a runner."""
-    return auto_kernels(KernelSetup(config, device, dtype, dtype, interpret=interpreting(), fp8_block=fp8_block))
+                    fp8_block: Optional[tuple[int, int]], tp: Optional[TPGroup] = None) -> Kernels:
+    """What 'auto' picks for every per-call op of a model built on `device` outside a runner (tp: the
+    rank's group, whose layout decides the MoE token exchange)."""
+    return auto_kernels(KernelSetup(config, device, dtype, dtype, interpret=interpreting(), fp8_block=fp8_block,
+                                    group=tp))
 
 
 def derive_weights(modules: dict[str, torch.nn.Module]) -> None:

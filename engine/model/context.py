@@ -63,7 +63,10 @@ class ForwardContext:
     moe_backend: MoEBackend
     dp: Optional[DPGather] = None  # DP attention: this forward's gather / scatter (set by the runner)
     expanded_kv: bool = False  # --disable-mla: the pool holds per-head K/V (engine/model/attention_expanded.py)
+    static_shapes: bool = False  # this forward is a CUDA graph's (captured, or its padded batch run eagerly)
 
     def begin_forward(self, fb: ForwardBatch, graph_bs: Optional[int] = None) -> None:
-        """Host-side planning once per forward, before any layer runs (graph_bs: a CUDA graph's padded size)."""
+        """Host-side planning once per forward, before any layer runs (graph_bs: a CUDA graph's padded size:
+        the layers then keep static shapes and make no host synchronisation, e.g. the MoE token exchange)."""
+        self.static_shapes = graph_bs is not None
         self.attn_backend.begin_forward(fb, self, graph_bs)

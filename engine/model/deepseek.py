@@ -68,10 +68,11 @@ class DecoderLayer(nn.Module):
             h = self.post_attention_layernorm.for_linear(x, *self.mlp.input_linears())
         else:
             h = self.post_attention_layernorm(x)
-        if ctx.dp is not None:
+        gathers = ctx.dp is not None and not (self.is_moe and self.mlp.tp.exchanges_tokens)  # a2a: own rows only
+        if gathers:
             h = ctx.dp.gather(h)
         out = self.mlp(h, ctx) if self.is_moe else self.mlp(h)
-        return x + (ctx.dp.scatter(out) if ctx.dp is not None else out)
+        return x + (ctx.dp.scatter(out) if gathers else out)
 
 
 class DeepseekForCausalLM(nn.Module):

@@ -17,6 +17,10 @@ check and a factory, and what 'auto' means for it.
   all_reduce  --all-reduce-backend  torch (torch.distributed: NCCL on CUDA, gloo on CPU), custom (peer-memory
                                     one-shot / two-shot kernels for small messages within a node, NCCL
                                     otherwise: engine/distributed/custom_all_reduce.py)
+  moe_a2a     --moe-a2a-backend     none (EP by gather + all-reduce), torch (all-to-all through torch.distributed:
+                                    engine/distributed/token_exchange.py). The flag is a layout flag
+                                    (ParallelArgs: it also puts the shared experts whole on every rank), so it
+                                    reaches the registry through the TP group: 'auto' = `TPGroup.moe_a2a`
 
 `resolve_kernels` turns the requested names (KernelArgs.requested_kernels) into a `KernelChoice`:
 'auto' is decided by `auto_name`, here only, and every chosen implementation's check raises
@@ -37,6 +41,7 @@ from engine.checkpoint.config import ModelConfig
 from engine.distributed import comm
 from engine.distributed.custom_all_reduce import AllReduceOp
 from engine.distributed.groups import TPGroup
+from engine.distributed.token_exchange import torch_all_to_all
 from engine.errors import UsageError
 from engine.memory.pools import KVPool, ReqToTokenPool
 from engine.model import fp8_ops, gate_ops, norm_ops
@@ -136,6 +141,8 @@ def auto_name(op: str, setup: KernelSetup) -> str:
     is available), the torch reference elsewhere; under the Triton interpreter the FP8 GEMM still runs
     Triton (the engine's CPU tests run it so); 'torch' for the GEMM of a model without FP8 weights (its
     linears are F.linear) and for the one all-reduce."""
+    if op == "moe_a2a":
+        return setup.group.moe_a2a if setup.group is not None else "none"
     if op == "all_reduce" or (op == "gemm" and setup.fp8_block is None):  # no FP8 weights: F.linear only
         return "torch"
     if op == "gemm" and setup.cuda:
@@ -171,6 +178,13 @@ def check_flashinfer(setup: KernelSetup) -> None:
                          "use --attention-backend triton or torch with it")
     cfg = setup.config
     check_supported(setup.device, setup.dtype, setup.kv_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+
+
+def check_token_exchange(setup: KernelSetup) -> None:
+    group = setup.group
+    if group is None or group.ep_size == 1 or not group.exchanges_tokens:
+        raise UsageError("--moe-a2a-backend: the all-to-all exchange needs expert parallelism (--ep-size equal to "
+                         "--tp, 2 or more) and the layout built for it; use --moe-a2a-backend none otherwise")
 
 
 def check_cublas(setup: KernelSetup) -> None:
@@ -248,8 +262,12 @@ ALL_REDUCE.register("torch", no_check, returns(comm.all_reduce), label=process_g
 ALL_REDUCE.register("custom", no_check, lambda setup: AllReduceOp.open(setup.group, setup.device),
                     label=lambda setup: "custom+nccl" if setup.cuda else "gloo (custom needs CUDA)")
 
+MOE_A2A = OpRegistry("moe_a2a")
+MOE_A2A.register("none", no_check, returns(None))
+MOE_A2A.register("torch", check_token_exchange, returns(torch_all_to_all), label=process_group_backend)
+
 REGISTRIES: dict[str, OpRegistry] = {r.op: r for r in (ATTENTION, MOE, GEMM, RMS_NORM, MOE_GATE, ALL_REDUCE,
-                                                        NORM_QUANT)}
+                                                        NORM_QUANT, MOE_A2A)}
 
 
 @dataclass(frozen=True)
@@ -263,6 +281,7 @@ class KernelChoice:
     moe_gate: str = AUTO
     all_reduce: str = AUTO
     norm_quant: str = AUTO
+    moe_a2a: str = AUTO
 
     def names(self) -> dict[str, str]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -284,7 +303,8 @@ def build_kernels(choice: KernelChoice, setup: KernelSetup) -> Kernels:
                    moe_gate=MOE_GATE.build(choice.moe_gate, setup),
                    all_reduce=ALL_REDUCE.build(choice.all_reduce, setup),
                    norm_quant=NORM_QUANT.build(choice.norm_quant, setup),
-                   gemm_q=GEMM_Q[choice.gemm] if choice.norm_quant != "off" else None)
+                   gemm_q=GEMM_Q[choice.gemm] if choice.norm_quant != "off" else None,
+                   moe_a2a=MOE_A2A.build(choice.moe_a2a, setup))
 
 
 def auto_kernels(setup: KernelSetup) -> Kernels:

@@ -4,7 +4,8 @@ The kernel registry (engine/model/kernel_registry.py) resolves one name per op a
 (flags, 'auto', start-up checks) and `build_kernels` turns the names into a `Kernels`; the model
 builder hands that object to every module at construction (DeepseekForCausalLM -> layers), and each
 module calls its field: Linear `gemm` (block-FP8 weights only), RMSNorm `rms_norm`, MoE `moe_gate`,
-and every layer that reduces over its TP group `all_reduce`. `norm_quant` (None: off) fuses an RMSNorm with
+and every layer that reduces over its TP group `all_reduce`; MoE layers of a group that exchanges tokens
+(`TPGroup.exchanges_tokens`) send them to their experts' ranks with `moe_a2a`. `norm_quant` (None: off) fuses an RMSNorm with
 the FP8 quantisation of the block-FP8 GEMM it feeds; Linear then runs `gemm_q` on the quantised pair.
 Nothing is looked up per call and no module branches on the device.
 
@@ -22,6 +23,7 @@ import torch
 from engine.checkpoint.config import ModelConfig
 from engine.distributed import comm
 from engine.distributed.groups import TPGroup
+from engine.distributed.token_exchange import TokenExchange
 from engine.model import fp8_ops, gate_ops, norm_ops
 
 Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]], torch.Tensor]  # x, w, scale, block
@@ -43,6 +45,7 @@ class Kernels:
     all_reduce: AllReduce
     norm_quant: Optional[NormQuant] = None  # None: an RMSNorm before a block-FP8 GEMM runs apart from it
     gemm_q: Optional[GemmQ] = None  # the `gemm` of a quantised activation (set with norm_quant)
+    moe_a2a: Optional[TokenExchange] = None  # EP all-to-all of MoE tokens (None: gather + all-reduce)
 
 
 REFERENCE = Kernels(gemm=fp8_ops.torch_linear, rms_norm=norm_ops.torch_rms_norm, moe_gate=gate_ops.torch_gate,

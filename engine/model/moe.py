@@ -29,6 +29,13 @@ to local ids, and ids of other ranks' experts become -1, which the fused kernel'
 the reference both skip (no work, no memory traffic for them). A token's output is then the sum
 over ranks of its local experts' weighted outputs, which the same one all-reduce (routed partials
 + shared-expert partials) produces: "gather + local experts + reduce", no all-to-all.
+
+All-to-all (`tp.exchanges_tokens`, --moe-a2a-backend torch): the layer gets only its rank's own tokens (no DP
+gather; under plain TP each rank takes 1/tp of the rows, `token_share`), routes them and hands them to
+`kernels.moe_a2a` (engine/distributed/token_exchange.py), which sends each token to the ranks of its experts,
+runs them there through the MoE backend and brings the weighted outputs back. The shared experts are then
+whole on every rank (the loader reads them unsplit) and run on the rank's own tokens; nothing is
+all-reduced. Under CUDA graphs (`ctx.static_shapes`) the exchange runs its fixed-size mode.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from torch import nn
 
 from engine.checkpoint.config import ModelConfig
 from engine.distributed.groups import TPGroup
+from engine.distributed.token_exchange import gather_shares, token_share
 from engine.errors import UsageError
 from engine.model.context import ForwardContext
 from engine.model.gate_ops import torch_gate
@@ -90,8 +98,12 @@ class MoE(nn.Module):
             self._int4_params(e, k, n)
         else:
             self._expert_params(e, k, n, FP8_DTYPE if fp8_block else dtype)
+        if tp.exchanges_tokens and kernels.moe_a2a is None:
+            raise UsageError("this TP group exchanges MoE tokens by all-to-all but the kernels have no exchange: "
+                             "build the kernels for the group (kernel_registry.build_kernels with its setup)")
+        shared_group = solo_group() if tp.exchanges_tokens else self.tp  # whole on every rank: its own tokens
         self.shared_experts = (
-            MLP(k, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block, self.tp, reduce=False,
+            MLP(k, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block, shared_group, reduce=False,
                 kernels=kernels)
             if cfg.n_shared_experts else None
         )
@@ -114,15 +126,41 @@ class MoE(nn.Module):
         self.w13_scale = nn.Parameter(torch.empty(e, 2 * n, k // g1), requires_grad=False)
         self.w2_scale = nn.Parameter(torch.empty(e, k, n // g2), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, global expert ids [T, k] int32) of the replicated router."""
         logits = F.linear(x.float(), self.gate_weight.float())
-        weights, ids = select_experts(logits, self.cfg, self.e_score_correction_bias, self.kernels.moe_gate)
+        return select_experts(logits, self.cfg, self.e_score_correction_bias, self.kernels.moe_gate)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x: every token of the step on every rank (gather path), or this rank's attention group's tokens
+        (`tp.exchanges_tokens`); the output has x's rows."""
+        if self.tp.exchanges_tokens:
+            return self.forward_exchanged(x, ctx)
+        weights, ids = self.route(x)
         if self.tp.ep_size > 1:
             ids = local_expert_ids(ids, self.first_expert, self.num_local_experts)
         out = ctx.moe_backend.experts(self, x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.kernels.all_reduce(out, self.tp)
+
+    def forward_exchanged(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """All-to-all EP: this rank's share of its attention group's rows to their experts' ranks and back;
+        the group then shares the outputs (no all-reduce)."""
+        group = self.tp.attention
+        start, end, per = token_share(x.shape[0], group)
+        mine = x[start:end]
+        if ctx.static_shapes and mine.shape[0] < per:  # every rank exchanges the same row count
+            mine = torch.cat((mine, mine.new_zeros((per - mine.shape[0], *mine.shape[1:]))))
+        weights, ids = self.route(mine)
+
+        def experts(rows: torch.Tensor, w: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+            return ctx.moe_backend.experts(self, rows, w, local_ids)
+
+        out = self.kernels.moe_a2a(mine, weights, ids, experts, self.tp, self.num_local_experts, ctx.static_shapes)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(mine)
+        return gather_shares(out[: end - start], x.shape[0], per, group)
 
 
 def int4_groups(group: int, k: int, n: int) -> tuple[int, int]:

@@ -383,7 +383,9 @@ class ModelRunner:
         self.forward_ctx.dp = gather
 
     def idle_batch(self) -> ForwardBatch:
-        """A batch of no tokens: a DP-attention group's share of a forward other groups run."""
+        """A batch of no tokens: a DP-attention group's share of a forward other groups run, eagerly (the
+        context's static shapes off, as every other rank's eager forward has them)."""
+        self.forward_ctx.static_shapes = False
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         return ForwardBatch.build(ForwardMode.IDLE, [], [], [], [], empty, [], self.device)
 

@@ -60,11 +60,15 @@ class EngineStats:
     waiting: int = 0
     kv_total_tokens: int = 0
     kv_free_tokens: int = 0
+    kv_evictable_tokens: int = 0  # of the slots in use, those the prefix cache could free (no request holds them)
+    waiting_tokens: int = 0  # DP attention: KV the waiting requests will take (dp_controller.waiting_tokens)
     prefix_cache_tokens: int = 0  # KV tokens held (evictable) by the prefix cache
     prefix_cache_hit_rate: float = 0.0
     retracted_requests: int = 0  # cumulative: requests preempted when decode ran out of KV (resumed later)
     dp_requests: tuple[int, ...] = ()  # DP attention, cumulative: requests dispatched to each DP group
     dp_running: tuple[int, ...] = ()  # DP attention: running + waiting requests of each DP group
+    dp_kv_used_tokens: tuple[int, ...] = ()  # DP attention: KV slots in use in each DP group (total - free)
+    dp_kv_load_tokens: tuple[int, ...] = ()  # DP attention: each group's load as total_tokens weighs it
     # speculative decoding, cumulative: request-steps that emitted 1, 2, ... tokens (empty when off)
     spec_accept_hist: tuple[int, ...] = ()
     spec_plain_steps: int = 0  # cumulative: decode steps run without speculation (--speculative-disable-by-batch-size)

@@ -43,7 +43,7 @@ from engine.distributed.comm import all_gather_ints, all_reduce_max_int, broadca
 from engine.engine import Engine
 from engine.errors import DsctlError
 from engine.runtime import protocol
-from engine.runtime.dp_controller import DPController
+from engine.runtime.dp_controller import DPController, waiting_tokens
 from engine.sampling import SamplingParams
 
 log = logging.getLogger("dsctl.engine")
@@ -58,6 +58,7 @@ def scheduler_stats(scheduler, runner) -> protocol.EngineStats:
     running = len(scheduler.running) + extra["prefilling"]  # + a chunked prefill in progress
     return protocol.EngineStats(running=running, waiting=len(scheduler.waiting), kv_total_tokens=int(pool.size),
                                 kv_free_tokens=int(pool.available()),
+                                kv_evictable_tokens=extra["prefix_cache_evictable_tokens"],
                                 prefix_cache_tokens=extra["prefix_cache_tokens"],
                                 prefix_cache_hit_rate=extra["prefix_cache_hit_rate"],
                                 retracted_requests=extra["retracted_requests"],
@@ -122,7 +123,10 @@ class EngineLoop:
 
     def _send_dp_outputs(self, outputs, stats) -> None:
         """DP attention (a collective): rank 0 gathers each group leader's deltas, stats and messages."""
-        mine = (outputs, stats, self._deferred) if self.tp.attention.is_first else None
+        mine = None
+        if self.tp.attention.is_first:
+            stats.waiting_tokens = waiting_tokens(self.engine.scheduler.waiting)  # what total_tokens weighs
+            mine = (outputs, stats, self._deferred)
         self._deferred = []
         every = gather_objects(mine, self.tp)
         if every is None or self.outbox is None:

@@ -7,7 +7,8 @@ retraction counter are read from the latest EngineStats at scrape time, and so i
 accepted length (histogram dsctl_spec_accepted_tokens, gauge dsctl_spec_accept_length) and the
 scheduler's step times by kind (histogram dsctl_step_seconds). With DP attention
 the engine also reports, per DP group (label dp_rank), the requests dispatched to it
-(counter) and its running + waiting requests (gauge).
+(counter), its running + waiting requests, its KV slots in use and its KV load as
+--load-balance-method total_tokens weighs it (gauges).
 """
 
 from __future__ import annotations
@@ -66,11 +67,19 @@ def _dp_metrics(s):
                                labels=["dp_rank"])
     load = GaugeMetricFamily("dsctl_dp_num_requests", "Running + waiting requests of each DP attention group.",
                              labels=["dp_rank"])
-    for rank, (n, busy) in enumerate(zip(s.dp_requests, s.dp_running or (0,) * len(s.dp_requests))):
+    used = GaugeMetricFamily("dsctl_dp_kv_cache_used_tokens", "KV slots in use in each DP attention group "
+                             "(its prefix cache included).", labels=["dp_rank"])
+    tokens = GaugeMetricFamily("dsctl_dp_kv_load_tokens", "KV load of each DP attention group as "
+                               "--load-balance-method total_tokens weighs it: slots held by requests + what its "
+                               "waiting requests will take.", labels=["dp_rank"])
+    none = (0,) * len(s.dp_requests)
+    for rank, (n, busy, held, weighed) in enumerate(zip(s.dp_requests, s.dp_running or none,
+                                                        s.dp_kv_used_tokens or none, s.dp_kv_load_tokens or none)):
         sent.add_metric([str(rank)], float(n))
         load.add_metric([str(rank)], float(busy))
-    yield sent
-    yield load
+        used.add_metric([str(rank)], float(held))
+        tokens.add_metric([str(rank)], float(weighed))
+    yield from (sent, load, used, tokens)
 
 
 def _step_metrics(s):

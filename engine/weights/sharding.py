@@ -22,6 +22,8 @@ DP attention (`attn` = (rank, size) of the attention-TP group): attention weight
 kv_b, o_proj) and the vocab-parallel embed_tokens / lm_head are split over the attention group
 only; dense MLPs and experts over the whole group. `group_spec` reads all this from a `TPGroup`.
 
+All-to-all EP (`TPGroup.exchanges_tokens`, --moe-a2a-backend): the shared experts are whole on every rank.
+
 FP8 block scales (`weight_scale_inv`, `w13_scale`, `w2_scale`) are sliced by block index so they
 cover exactly the weight slice: weight rows [s, s + L) take scale rows [s // b, ceil((s + L) / b)).
 `dequant_slice` dequantises such a pair exactly even when the slice does not start on a block
@@ -156,6 +158,11 @@ def scale_spec(weight_spec: SliceSpec, weight_shape: Sequence[int], block: tuple
     return SliceSpec(weight_spec.dim, first, last - first, weight_spec.pieces)
 
 
+def is_shared_expert(name: str) -> bool:
+    """Whether `name` (a weight or its scale) belongs to a MoE layer's shared experts."""
+    return ".mlp.shared_experts." in f".{name}"
+
+
 def is_attention_split(name: str) -> bool:
     """Whether `name` is split over the attention-TP group (attention projections, vocab rows)."""
     return split_kind(name) == _VOCAB or ".self_attn." in f".{name}"
@@ -182,6 +189,8 @@ def group_spec(name: str, full_shape: Sequence[int], group, block: Optional[tupl
     """`shard_spec` for one rank of a `TPGroup` (engine/distributed/groups.py): its TP rank, EP size and
     attention-TP group (DP attention)."""
     attn = group.attention
+    if group.exchanges_tokens and is_shared_expert(name):  # all-to-all EP: every rank runs them on its own tokens
+        return None
     return shard_spec(name, full_shape, group.rank, group.size, block, weight_shape, ep_size=group.ep_size,
                       attn=(attn.rank, attn.size))
 

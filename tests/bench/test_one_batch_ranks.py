@@ -20,8 +20,9 @@ from engine.errors import UsageError
 CPU = dict(model="tiny", device="cpu", tp_size=2)
 
 
-def _tp(dp_size: int, dp_rank: int = 0, size: int = 2, ep_size: int = 1):
-    return SimpleNamespace(dp_size=dp_size, dp_rank=dp_rank, size=size, ep_size=ep_size)
+def _tp(dp_size: int, dp_rank: int = 0, size: int = 2, ep_size: int = 1, moe_a2a: str = "none"):
+    return SimpleNamespace(dp_size=dp_size, dp_rank=dp_rank, size=size, ep_size=ep_size,
+                           exchanges_tokens=moe_a2a != "none")
 
 
 def test_batch_share_spreads_requests_over_dp_groups():
@@ -39,6 +40,7 @@ def test_layout_names():
     assert layout_name(_tp(1, size=1)) == "tp1"
     assert layout_name(_tp(2)) == "tp2 dp2"
     assert layout_name(_tp(1, ep_size=2)) == "tp2 ep2"
+    assert layout_name(_tp(2, ep_size=2, moe_a2a="torch")) == "tp2 dp2 ep2 a2a"
 
 
 @pytest.mark.slow

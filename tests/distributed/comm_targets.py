@@ -53,9 +53,41 @@ def comm_checks(local_rank: int, pc) -> None:
     # every rank proposes a KV pool size; all agree on the smallest
     proposals = [5000 - 300 * ((q * 7) % n) for q in range(n)]
     assert comm.all_reduce_min_int(proposals[r], g) == min(proposals)
+    token_exchange_checks(g)
     comm.barrier(g)
     state.destroy()
     assert not torch.distributed.is_initialized()
+
+
+def token_exchange_checks(g) -> None:
+    """EP all-to-all (engine/distributed/token_exchange.py), both modes, against the sum each rank computes
+    itself: expert e scales a row by (e + 1), so a wrong id mapping, a lost or doubled slot or a row returned
+    to the wrong place changes the result. Rank 1 sends no rows in the variable mode."""
+    from engine.distributed.token_exchange import gather_shares, token_share, torch_all_to_all
+
+    r, n, per_rank, k, h = g.rank, g.size, 3, 4, 8
+
+    def experts(rows, w, local_ids):  # what rank r's experts do: weight x (global id + 1) x row, summed
+        scale = torch.where(local_ids >= 0, w * (local_ids + r * per_rank + 1), torch.zeros_like(w))
+        return rows * scale.sum(1, keepdim=True)
+
+    def routed(seed: int, t: int):
+        gen = torch.Generator().manual_seed(seed)
+        rows = [torch.randperm(n * per_rank, generator=gen)[:k] for _ in range(t)]
+        ids = torch.stack(rows).to(torch.int32) if rows else torch.empty(0, k, dtype=torch.int32)
+        ids[1:2, 0], ids[2:3, 1] = n * per_rank, -1  # ids of no expert (uninitialised router output): dropped
+        return _rand(seed, t, h), torch.rand(t, k, generator=gen), ids
+
+    for fixed, t in ((False, 0 if r == 1 else 3 + 2 * r), (True, 5)):
+        x, w, ids = routed(300 + r, t)
+        got = torch_all_to_all(x, w, ids, experts, g, per_rank, fixed)
+        valid = (ids >= 0) & (ids < n * per_rank)
+        want = x * (w * (ids + 1) * valid).sum(1, keepdim=True)
+        torch.testing.assert_close(got, want, msg=f"fixed={fixed}")
+    t = 7  # the rows one attention group holds, shared out and gathered back
+    start, end, per = token_share(t, g)
+    x = _rand(400, t, h)
+    torch.testing.assert_close(gather_shares(2 * x[start:end], t, per, g), 2 * x)
 
 
 def fail_in_collective(local_rank: int, pc) -> None:

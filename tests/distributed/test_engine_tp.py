@@ -70,13 +70,16 @@ DPA = dict(enable_dp_attention=True)
 # model (its block scales split four ways too) for plain TP and EP, the plain model for DP attention, and
 # the first 8 prompts only.
 # ("tiny", 2) runs with --all-reduce-backend custom: on CPU it must fall back to gloo (same tokens).
+# --moe-a2a-backend torch (EP by all-to-all): at TP 4 on the FP8 model (its tokens split over the 4 ranks of
+# one attention group, variable counts per rank), and under DP attention (each rank's own tokens, idle groups).
 @pytest.mark.parametrize("model, tp, layout", [
     ("tiny", 2, dict(all_reduce_backend="custom")), ("tiny-fp8", 2, {}), ("tiny-fp8", 4, {}),
-    ("tiny", 2, EP), ("tiny-fp8", 2, EP), ("tiny-fp8", 4, EP),
+    ("tiny", 2, EP), ("tiny-fp8", 2, EP), ("tiny-fp8", 4, dict(EP, moe_a2a_backend="torch")),
     ("tiny", 2, dict(DPA, dp_size=2)), ("tiny", 4, dict(DPA, dp_size=2)), ("tiny-fp8", 2, dict(DPA, dp_size=2)),
-    ("tiny", 2, dict(DPA, dp_size=2, **EP)),
+    ("tiny", 2, dict(DPA, dp_size=2, **EP)), ("tiny", 2, dict(DPA, dp_size=2, **EP, moe_a2a_backend="torch")),
     ("tiny", 2, dict(enable_mixed_chunk=True)),  # decodes inside prefill steps; the reference alternates them
-], ids=lambda v: "-".join(k for k in ("ep_size", "dp_size", "enable_mixed_chunk", "all_reduce_backend") if k in v)
+], ids=lambda v: "-".join(k for k in ("ep_size", "dp_size", "moe_a2a_backend", "enable_mixed_chunk",
+                                       "all_reduce_backend") if k in v)
    or "tp"
    if isinstance(v, dict) else None)
 def test_greedy_tokens_identical_to_one_process(reference, model, tp, layout):
@@ -94,28 +97,40 @@ def test_greedy_tokens_identical_to_one_process(reference, model, tp, layout):
 
 def test_dp_attention_uneven_load_and_kv_capacity(reference):
     """Every request on DP group 1 while group 0 idles (it runs idle forwards for group 1's MoE layers):
-    no hang, the same tokens; then spread over both groups by shortest_queue. Each DP group has its own
-    KV pool, so the job holds dp x a plain-TP rank's pool (acceptance 3), reported at start-up."""
+    no hang, the same tokens; then spread over both groups by total_tokens (the default). Group 1's pool
+    then holds its finished requests' prefixes, evictable: the controller weighs both groups as idle.
+    Each DP group has its own KV pool, so the job holds dp x a plain-TP rank's pool (acceptance 3),
+    reported at start-up."""
     prompts, ref = reference("tiny")
     n = 8
     with RankedEngine(EngineArgs.of(model="tiny", tp_size=2, enable_dp_attention=True, dp_size=2, dist_timeout=60,
-                                    load_balance_method="shortest_queue", **FLAGS)) as eng:
+                                    **FLAGS)) as eng:
         assert eng.info.dp_kv_tokens == (FLAGS["max_total_tokens"],) * 2
         assert eng.info.kv_total_tokens == 2 * FLAGS["max_total_tokens"]
         got = eng.generate(input_ids=prompts[:n], sampling_params=_params(n), dp_rank=1)
         assert [o.token_ids for o in got] == [o.token_ids for o in ref[:n]]
+        used, weighed = eng.stats.dp_kv_used_tokens, eng.stats.dp_kv_load_tokens
+        assert used[1] >= used[0] + sum(map(len, prompts[:n])) // 2 and weighed == (0, 0), (used, weighed)
         got = eng.generate(input_ids=prompts, sampling_params=_params(len(prompts)))
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        sent = [b - a for a, b in zip((0, n), eng.stats.dp_requests)]
+        assert min(sent) >= 4 and sum(sent) == len(prompts), sent
     with RankedEngine(EngineArgs.of(model="tiny", tp_size=2, **FLAGS)) as plain:
         assert plain.info.kv_total_tokens == FLAGS["max_total_tokens"]  # TP: one pool, duplicated on both ranks
 
 
-@pytest.mark.parametrize("model, tp, dp", [("tiny", 2, 2), ("tiny-fp8", 4, 2)])
-def test_dp_attention_padded_decode_matches_one_process(reference, model, tp, dp):
+A2A = dict(ep_size=None, moe_a2a_backend="torch")
+
+
+@pytest.mark.parametrize("model, tp, dp, layout", [("tiny", 2, 2, A2A), ("tiny-fp8", 4, 2, {}), ("tiny", 2, 0, A2A)],
+                         ids=["dp2-a2a", "dp2-tp4", "tp2-a2a"])
+def test_dp_attention_padded_decode_matches_one_process(reference, model, tp, dp, layout):
     """Decode through padded static batches as CUDA graphs run them (capture=False on CPU): the DP groups
     agree on one padded size per step (a group with fewer requests pads; an idle group replays padding
     rows only), and extends stay eager. Same greedy tokens as one process, with one group loaded alone (at
-    TP 2; TP 4's four ranks on CI's two cores make each phase slow) and with both loaded."""
+    TP 2; TP 4's four ranks on CI's two cores make each phase slow) and with both loaded. With
+    --moe-a2a-backend torch the graph-shaped forwards run the exchange's fixed-size mode (dp 0: plain TP, each
+    rank exchanging its padded share of the batch) and the eager ones its variable mode."""
     import functools
 
     from engine.runtime.rank_loop import engine_main
@@ -123,9 +138,11 @@ def test_dp_attention_padded_decode_matches_one_process(reference, model, tp, dp
 
     prompts, ref = reference(model)
     main = functools.partial(engine_main, make_engine=padded_decode_engine)
-    with RankedEngine(EngineArgs.of(model=model, tp_size=tp, enable_dp_attention=True, dp_size=dp, dist_timeout=60,
-                                    **FLAGS), rank_main=main) as eng:
-        if tp == 2:
+    layout = {k: tp if v is None else v for k, v in layout.items()}
+    dpa = dict(enable_dp_attention=True, dp_size=dp) if dp else {}
+    with RankedEngine(EngineArgs.of(model=model, tp_size=tp, **dpa, **layout, dist_timeout=60, **FLAGS),
+                      rank_main=main) as eng:
+        if tp == 2 and dp:
             got = eng.generate(input_ids=prompts[:5], sampling_params=_params(5), dp_rank=1)
             assert [o.token_ids for o in got] == [o.token_ids for o in ref[:5]]
         got = eng.generate(input_ids=prompts, sampling_params=_params(len(prompts)))

@@ -28,12 +28,13 @@ from tests.distributed.test_model_tp import _CountingFile
 BLOCK = (128, 128)
 
 
-def _group(rank: int, size: int, ep: int = 1, dp: int = 1) -> TPGroup:
+def _group(rank: int, size: int, ep: int = 1, dp: int = 1, a2a: str = "none") -> TPGroup:
     """A rank's group (EP and DP-attention layout) without process groups: enough to build and load."""
     per = size // dp
     g = rank // per
     attn = TPGroup(rank=rank % per, size=per, ranks=tuple(range(g * per, (g + 1) * per))) if dp > 1 else None
-    return TPGroup(rank=rank, size=size, ranks=tuple(range(size)), ep_size=ep, attn=attn, dp_size=dp, dp_rank=g)
+    return TPGroup(rank=rank, size=size, ranks=tuple(range(size)), ep_size=ep, attn=attn, dp_size=dp, dp_rank=g,
+                   moe_a2a=a2a)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -86,18 +87,20 @@ def test_each_ep_rank_loads_exactly_its_experts(alias, block, monkeypatch):
                 assert _CountingFile.elements == sum(p.numel() for p in unique.values())
 
 
-@pytest.mark.parametrize("alias, block, size, ep, dp", [
-    ("tiny", None, 4, 4, 1),
-    ("tiny-fp8-tp", BLOCK, 2, 2, 1),
-    ("tiny", None, 4, 1, 2),  # DP attention: attention TP 2 inside each of 2 groups, MLPs over 4
-    ("tiny", None, 2, 2, 2),  # DP attention + EP: attention whole on each rank, experts split
+@pytest.mark.parametrize("alias, block, size, ep, dp, a2a", [
+    ("tiny", None, 4, 4, 1, "none"),
+    ("tiny-fp8-tp", BLOCK, 2, 2, 1, "torch"),  # all-to-all EP: the shared experts whole on every rank
+    ("tiny", None, 4, 1, 2, "none"),  # DP attention: attention TP 2 inside each of 2 groups, MLPs over 4
+    ("tiny", None, 2, 2, 2, "none"),  # DP attention + EP: attention whole on each rank, experts split
 ])
-def test_dummy_weights_are_slices_of_tp1_dummy_weights(alias, block, size, ep, dp):
+def test_dummy_weights_are_slices_of_tp1_dummy_weights(alias, block, size, ep, dp, a2a):
     _, cfg = _checkpoint(alias)
     full = params_by_checkpoint_name(*build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, seed=11))
     for rank in range(size):
-        group = _group(rank, size, ep=ep, dp=dp)
+        group = _group(rank, size, ep=ep, dp=dp, a2a=a2a)
         model, mtp = build_model(cfg, cfg.num_hidden_layers, torch.float32, "cpu", block, group, seed=11)
+        shared = model.layers[1].mlp.shared_experts.down_proj.weight
+        assert shared.shape[-1] == cfg.moe_intermediate_size * cfg.n_shared_experts // (1 if a2a != "none" else size)
         heads = cfg.num_attention_heads // (size // dp)
         assert model.layers[0].self_attn.num_heads == heads
         for name, p in params_by_checkpoint_name(model, mtp).items():

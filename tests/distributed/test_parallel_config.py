@@ -72,6 +72,7 @@ def test_parse_host_port():
     (dict(tp_size=4, dp_size=8, enable_dp_attention=True), "dividing --tp 4"),
     (dict(tp_size=4, dp_size=2), "needs --enable-dp-attention"),
     (dict(tp_size=4, ep_size=2), "must equal --tp 4"),
+    (dict(tp_size=2, moe_a2a_backend="torch"), "needs expert parallelism"),
 ])
 def test_other_flag_errors(kwargs, words):
     assert words in usage_error(ParallelConfig(**kwargs).validate)
@@ -79,7 +80,9 @@ def test_other_flag_errors(kwargs, words):
 
 @pytest.mark.parametrize("kwargs", [dict(tp_size=4, dp_size=2, enable_dp_attention=True),
                                     dict(tp_size=2, dp_size=2, enable_dp_attention=True, ep_size=2),
-                                    dict(tp_size=4, ep_size=4)])
+                                    dict(tp_size=4, ep_size=4),
+                                    dict(tp_size=2, dp_size=2, enable_dp_attention=True, ep_size=2,
+                                         moe_a2a_backend="torch")])
 def test_dp_attention_and_ep_layouts_are_accepted(kwargs):
     pc = ParallelConfig(**kwargs)
     pc.validate()

@@ -96,8 +96,11 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
         assert sum(1 for r in results if r) > 32  # streams produced text
         m = srv.metrics()
         sent = [m.get(f'dsctl_dp_requests_total{{dp_rank="{g}"}}', 0) for g in (0, 1)]
-        assert all(n >= 16 for n in sent), sent  # round robin: both groups served requests
+        assert all(n >= 16 for n in sent), sent  # total_tokens (the default): both groups served requests
         assert sum(sent) == 64 + len(PROMPTS), sent
+        used = [m.get(f'dsctl_dp_kv_cache_used_tokens{{dp_rank="{g}"}}', -1) for g in (0, 1)]
+        assert all(n > 0 for n in used), used  # each group's prefix cache holds its finished streams
+        assert all(f'dsctl_dp_kv_load_tokens{{dp_rank="{g}"}}' in m for g in (0, 1)), sorted(m)
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=60) == 0, srv.log()
         assert wait_for(lambda: not any(_alive(p) for p in pids), timeout=10), "a rank outlived the server"

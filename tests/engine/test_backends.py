@@ -65,7 +65,7 @@ def test_each_flag_offers_exactly_the_registered_names(op):
 def test_auto_on_cpu():
     names = kr.resolve_kernels({}, _setup(CPU, fp8_block=BLOCK)).names()
     assert names == dict(attention="torch", moe="torch", gemm="torch", rms_norm="torch", moe_gate="torch",
-                         all_reduce="torch", norm_quant="off")
+                         all_reduce="torch", norm_quant="off", moe_a2a="none")
     interp = kr.resolve_kernels({}, _setup(CPU, interpret=True, fp8_block=BLOCK)).names()
     # the interpreter is opt-in for every op but the FP8 GEMM (and the norm fused with its quantisation),
     # which the CPU tests run in Triton
@@ -79,7 +79,7 @@ def test_auto_on_cpu():
 def test_auto_on_cuda(monkeypatch, cublas_why, gemm):
     monkeypatch.setattr(kr, "cublas_unavailable_reason", lambda device: cublas_why)
     choice = kr.resolve_kernels({}, _setup(CUDA, torch.bfloat16, graphs=(1, 2), fp8_block=BLOCK))
-    assert choice == kr.KernelChoice("triton", "triton", gemm, "triton", "triton", "torch", "triton")
+    assert choice == kr.KernelChoice("triton", "triton", gemm, "triton", "triton", "torch", "triton", "none")
     bf16 = kr.resolve_kernels({}, _setup(CUDA, torch.bfloat16))
     assert bf16.gemm == "torch" and bf16.norm_quant == "off"  # bf16 weights: F.linear, nothing to quantise
 
@@ -132,10 +132,10 @@ def test_describe_names_what_runs_for_each_op(monkeypatch):
     setup = _setup(CUDA, torch.bfloat16, fp8_block=BLOCK)
     assert kr.describe(kr.resolve_kernels({}, setup), setup) == (
         "attention triton, moe triton, gemm triton+cublas, rms_norm triton, moe_gate triton, all_reduce nccl, "
-        "norm_quant triton")
+        "norm_quant triton, moe_a2a none")
     cpu = _setup(CPU)
     assert kr.describe(kr.resolve_kernels({"attention": "torch"}, cpu), cpu) == (
-        "attention torch, moe torch, gemm torch, rms_norm torch, moe_gate torch, all_reduce gloo, norm_quant off")
+        "attention torch, moe torch, gemm torch, rms_norm torch, moe_gate torch, all_reduce gloo, norm_quant off, moe_a2a none")
 
 
 def test_runner_logs_its_kernels_once(caplog):
@@ -144,7 +144,7 @@ def test_runner_logs_its_kernels_once(caplog):
                                            moe_gate_backend="triton", max_total_tokens=256))
     lines = [r.getMessage() for r in caplog.records if "kernels:" in r.getMessage()]
     assert lines == ["rank 0 kernels: attention torch, moe torch, gemm torch, rms_norm triton, moe_gate triton, "
-                     "all_reduce gloo, norm_quant off"]
+                     "all_reduce gloo, norm_quant off, moe_a2a none"]
     assert runner.kernel_choice.rms_norm == "triton"
 
 
@@ -272,3 +272,20 @@ def test_moe_layers_take_their_backend_from_the_forward_context():
     got = eng.generate(input_ids=[[5, 6, 7, 8]], sampling_params=sp)[0].token_ids
     assert got == ref
     assert forwards and counting.calls == len(forwards) * len(moe_layers)
+
+
+def test_moe_a2a_follows_the_layout():
+    """--moe-a2a-backend is a layout flag: 'auto' is what the TP group was built with, and the all-to-all is
+    refused for a group that does not exchange tokens (no EP)."""
+    from engine.distributed.groups import TPGroup
+    from engine.distributed.token_exchange import torch_all_to_all
+
+    a2a = TPGroup(rank=0, size=2, ranks=(0, 1), ep_size=2, moe_a2a="torch")
+    setup = dataclasses.replace(_setup(CPU), group=a2a)
+    choice = kr.resolve_kernels({}, setup)
+    assert choice.moe_a2a == "torch" and kr.build_kernels(choice, setup).moe_a2a is torch_all_to_all
+    assert kr.describe(choice, setup).endswith("moe_a2a gloo")
+    plain = dataclasses.replace(_setup(CPU), group=TPGroup(rank=0, size=2, ranks=(0, 1)))
+    assert kr.build_kernels(kr.resolve_kernels({}, plain), plain).moe_a2a is None
+    with pytest.raises(UsageError, match="expert parallelism"):
+        kr.resolve_kernels({"moe_a2a": "torch"}, plain)

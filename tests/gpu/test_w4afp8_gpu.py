@@ -34,12 +34,11 @@ def _engine(**kw):
     return Engine(model=kw.pop("model", "tiny-fp8"), device="cuda", **kw)
 
 
-@pytest.mark.parametrize("t", [1, 37, 300])
-def test_kernel_matches_reference_at_v3_shapes(t):
-    from kernels.fused_moe_w4a8 import fused_moe_w4a8, fused_moe_w4a8_ref  # lazy: Triton on the GPU only
+def _v3_problem(t, n=256):
+    """Random packed INT4 experts at DeepSeek-V3 shapes (E 256, K 7168, N = n), x and the V3 router's top-8."""
     from kernels.moe_gate import moe_gate  # lazy: Triton on the GPU only
 
-    e, n, k = 256, 256, 7168
+    e, k = 256, 7168
     g = torch.Generator(device="cuda").manual_seed(t)
     w13 = torch.randint(-128, 128, (e, 2 * n, k // 2), device="cuda", generator=g, dtype=torch.int8)
     w2 = torch.randint(-128, 128, (e, k, n // 2), device="cuda", generator=g, dtype=torch.int8)
@@ -48,6 +47,14 @@ def test_kernel_matches_reference_at_v3_shapes(t):
     x = torch.randn(t, k, device="cuda", generator=g).to(torch.bfloat16)
     w, ids = moe_gate(torch.randn(t, e, device="cuda", generator=g), top_k=8, method="noaux_tc", n_group=8,
                       topk_group=4, correction_bias=torch.zeros(e, device="cuda"), routed_scaling_factor=2.5)
+    return x, w13, w2, ids, w, s13, s2
+
+
+@pytest.mark.parametrize("t", [1, 37, 300])
+def test_kernel_matches_reference_at_v3_shapes(t):
+    from kernels.fused_moe_w4a8 import fused_moe_w4a8, fused_moe_w4a8_ref  # lazy: Triton on the GPU only
+
+    x, w13, w2, ids, w, s13, s2 = _v3_problem(t)
     got = fused_moe_w4a8(x, w13, w2, ids, w, w13_scale=s13, w2_scale=s2)
     ref = fused_moe_w4a8_ref(x, w13, w2, ids, w, w13_scale=s13, w2_scale=s2)
     rel = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -59,6 +66,26 @@ def test_kernel_matches_reference_at_v3_shapes(t):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, got)
+
+
+def test_every_unpack_path_matches_reference():
+    """The INT4 unpacks (kernels/fused_moe_w4a8.py): float16 operands (mma.sync tiles) and e4m3 (v + 8) / 512 with
+    the offset correction (FP8 wgmma tiles), each as inline PTX and as Triton ops. PTX and Triton forms compute
+    the same numbers, so their outputs are bit-equal; each is within the bf16 roundings of the reference."""
+    from kernels.fused_moe_w4a8 import fused_moe_w4a8, fused_moe_w4a8_ref  # lazy: Triton on the GPU only
+
+    x, w13, w2, ids, w, s13, s2 = _v3_problem(300, n=512)
+    ref = fused_moe_w4a8_ref(x, w13, w2, ids, w, w13_scale=s13, w2_scale=s2).double()
+    tiles = {"f16 mma.sync": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, num_warps=4, num_stages=4),
+             "f16 wgmma": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, FP8_DOT=0, num_warps=4, num_stages=3),
+             "fp8 wgmma": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, num_warps=8, num_stages=3)}
+    for name, tile in tiles.items():
+        outs = [fused_moe_w4a8(x, w13, w2, ids, w, w13_scale=s13, w2_scale=s2,
+                               config=dict(tile, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, UNPACK_ASM=asm)) for asm in (1, 0)]
+        for got in outs:
+            rel = ((got.double() - ref).norm() / ref.norm()).item()
+            assert torch.isfinite(got).all() and rel < 1e-2, (name, rel)
+        assert torch.equal(outs[0], outs[1]), name
 
 
 def test_engine_graphs_compile_and_nextn_keep_the_greedy_tokens():

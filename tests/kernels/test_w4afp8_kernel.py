@@ -90,12 +90,17 @@ def _experts(e, n, k, g1, g2, seed):
     return (*quantize_int4(w13, g1), *quantize_int4(w2, g2))
 
 
+F16_DOT = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=2, BLOCK_SIZE_N_DOWN=64)
+FP8_DOT = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=32, BLOCK_SIZE_K=128, GROUP_SIZE_M=2)  # 64-row tiles: e4m3 (v+8)/512
+
+
 @cpu_only
-@pytest.mark.parametrize("t,e,n,k,top_k,g1,g2,drop", [
-    (7, 5, 64, 256, 2, 128, 64, 0.2),   # one-launch prologue; -1 ids; down group inside one 128 group
-    (33, 4, 64, 128, 3, 128, 64, 0.0),  # ~25 rows per expert: two 16-row blocks each
-])
-def test_kernel_matches_reference(poison, t, e, n, k, top_k, g1, g2, drop):
+@pytest.mark.parametrize("t,e,n,k,top_k,g1,g2,drop,cfg", [
+    (7, 5, 64, 256, 2, 128, 64, 0.2, F16_DOT),   # one-launch prologue; -1 ids; down group inside one 128 group
+    (33, 4, 64, 128, 3, 128, 64, 0.0, F16_DOT),  # ~25 rows per expert: two 16-row blocks each
+    (40, 5, 64, 256, 3, 128, 64, 0.2, FP8_DOT),  # the FP8-dot unpack and its offset correction
+], ids=["f16-prologue", "f16-blocks", "fp8-dot"])
+def test_kernel_matches_reference(poison, t, e, n, k, top_k, g1, g2, drop, cfg):
     w13, s13, w2, s2 = _experts(e, n, k, g1, g2, seed=t)
     g = _gen(t + 1)
     x = torch.randn(t, k, generator=g)
@@ -103,7 +108,6 @@ def test_kernel_matches_reference(poison, t, e, n, k, top_k, g1, g2, drop):
     if drop:
         ids[torch.rand(t, top_k, generator=g) < drop] = -1
     weights = torch.rand(t, top_k, generator=g) + 0.1
-    cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=2, BLOCK_SIZE_N_DOWN=64)
     got = fused_moe_w4a8(x, w13, w2, ids, weights, w13_scale=s13, w2_scale=s2, config=cfg)
     ref = fused_moe_w4a8_ref(x, w13, w2, ids, weights, w13_scale=s13, w2_scale=s2)
     assert not torch.isnan(got).any()
