@@ -67,6 +67,17 @@ def _barrier(flag_ptrs, rank, slot, value, W: tl.constexpr):
 
 
 @triton.jit
+def _sum_peers(buf_ptrs, half, offs, mask, dtype: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+               EXACT_ROUND: tl.constexpr):
+    """The sum over every rank's staged copy of elements `offs` (fp32, rank order), rounded to `dtype`."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for p in tl.static_range(W):
+        src = _peer(buf_ptrs, p, dtype)
+        acc += tl.load(src + half + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return round_to(acc, dtype, EXACT_ROUND)
+
+
+@triton.jit
 def _one_shot_kernel(x_ptr, buf_ptrs, flag_ptrs, counter_ptr, n, half_elems, rank,
                      W: tl.constexpr, BLOCK: tl.constexpr, EXACT_ROUND: tl.constexpr):
     b = tl.program_id(0)
@@ -84,11 +95,7 @@ def _one_shot_kernel(x_ptr, buf_ptrs, flag_ptrs, counter_ptr, n, half_elems, ran
     for t in range(b, tiles, programs):
         offs = t * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for p in tl.static_range(W):
-            src = _peer(buf_ptrs, p, dtype)
-            acc += tl.load(src + half + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(x_ptr + offs, round_to(acc, dtype, EXACT_ROUND), mask=mask)
+        tl.store(x_ptr + offs, _sum_peers(buf_ptrs, half, offs, mask, dtype, W, BLOCK, EXACT_ROUND), mask=mask)
     tl.store(counter_ptr + b, k + 1)
 
 
@@ -111,11 +118,7 @@ def _two_shot_kernel(x_ptr, buf_ptrs, flag_ptrs, counter_ptr, n, chunk, half_ele
     for t in range(b, tiles, programs):  # reduce-scatter: this rank's chunk
         offs = rank * chunk + t * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for p in tl.static_range(W):
-            src = _peer(buf_ptrs, p, dtype)
-            acc += tl.load(src + half + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        out = round_to(acc, dtype, EXACT_ROUND)
+        out = _sum_peers(buf_ptrs, half, offs, mask, dtype, W, BLOCK, EXACT_ROUND)
         tl.store(own + half + offs, out, mask=mask)
         tl.store(x_ptr + offs, out, mask=mask)
     _barrier(flag_ptrs, rank, programs + b, k + 1, W)

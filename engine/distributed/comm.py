@@ -4,8 +4,9 @@ Tensor collectives (device group: NCCL on CUDA, gloo on CPU):
 - `all_reduce(x, group)`: sum in place (o_proj, MLP down, MoE output, vocab-parallel embedding);
 - `all_gather_last_dim(x, group)`: concatenate along the last dim in rank order (vocab-parallel
   logits: rank r holds vocab rows [r * V / tp, (r + 1) * V / tp));
-- `all_gather_rows(x, group)`: stack every rank's equally shaped x along dim 0, rank order (DP
-  attention gathers the padded hidden states of every DP group before an MLP);
+- `all_gather_rows(x, group)`: stack every rank's equally shaped x along dim 0, rank order;
+  `all_gather_padded_rows(x, width, group)` the same for up to `width` rows per rank, zero-padded (DP
+  attention gathers every DP group's hidden states before an MLP, the MoE token exchange its shares);
 - `broadcast_tensor(x, src, group)`: in place from group rank `src` (e.g. sampled token ids).
 Host-side collectives (the gloo `cpu_group`):
 - `broadcast_object(obj, src, group)`: a picklable object (scheduler messages);
@@ -73,6 +74,14 @@ def all_gather_rows(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, x, group=group.device_group)
     return out
+
+
+def all_gather_padded_rows(x: torch.Tensor, width: int, group: TPGroup) -> torch.Tensor:
+    """[n <= width, ...] on every rank (n may differ) -> [size * width, ...]: each rank's rows zero-padded to
+    `width`, rank r's block at [r * width, (r + 1) * width)."""
+    padded = x.new_zeros((width, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    return all_gather_rows(padded, group)
 
 
 def broadcast_tensor(x: torch.Tensor, src: int, group: TPGroup) -> torch.Tensor:

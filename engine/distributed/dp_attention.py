@@ -50,9 +50,7 @@ class DPGather:
     def gather(self, h: torch.Tensor) -> torch.Tensor:
         """This group's rows [T_g, H] -> every group's rows [sum T, H], group order."""
         width = max(self.counts)
-        padded = h.new_zeros((width, *h.shape[1:]))
-        padded[: h.shape[0]] = h
-        every = comm.all_gather_rows(padded, self.group)
+        every = comm.all_gather_padded_rows(h, width, self.group)
         per_group = self.group.size // self.group.dp_size
         starts = (g * per_group * width for g in range(self.group.dp_size))
         return torch.cat([every[s: s + n] for s, n in zip(starts, self.counts)])

@@ -65,12 +65,11 @@ def owner_ranks(ids: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
     return torch.div(ids, experts_per_rank, rounding_mode="floor")
 
 
-def ids_for_rank(ids: torch.Tensor, owners: torch.Tensor, rank: torch.Tensor | int,
-                 experts_per_rank: int) -> torch.Tensor:
-    """Global ids [N, k] -> the local ids on `rank` (an int, or a tensor [N]: one rank per row): -1 where that
-    rank does not hold the expert."""
-    mine = owners == (rank.unsqueeze(-1) if isinstance(rank, torch.Tensor) else rank)
-    return torch.where(mine, ids - owners * experts_per_rank, torch.full_like(ids, -1)).to(torch.int32)
+def local_expert_ids(ids: torch.Tensor, first: torch.Tensor | int, count: int) -> torch.Tensor:
+    """Global expert ids [N, k] -> the local ids [0, count) of the rank whose experts start at `first` (an int,
+    or a tensor [N, 1]: one rank per row); the experts of other ranks, and ids of no expert, -> -1 (skipped)."""
+    local = ids - first
+    return torch.where((local >= 0) & (local < count), local, torch.full_like(local, -1))
 
 
 def pack_routing(weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -117,7 +116,8 @@ def variable_exchange(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     send_counts = wanted.sum(0)
     send = send_counts.tolist()
     recv = exchange_counts(send_counts, group)
-    routing = pack_routing(weights[token], ids_for_rank(ids[token], owners[token], dest, experts_per_rank))
+    first = (dest * experts_per_rank).unsqueeze(-1).to(ids.dtype)  # each sent row's destination's first expert
+    routing = pack_routing(weights[token], local_expert_ids(ids[token], first, experts_per_rank))
     got_x = all_to_all_rows(x[token], send, recv, group)
     got_w, got_ids = unpack_routing(all_to_all_rows(routing, send, recv, group))
     y = experts(got_x, got_w, got_ids) if got_x.shape[0] else got_x
@@ -134,8 +134,8 @@ def fixed_exchange(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     t = x.shape[0]
     every_x = comm.all_gather_rows(x, group)
     every_w, every_ids = unpack_routing(comm.all_gather_rows(pack_routing(weights, ids), group))
-    owners = owner_ranks(every_ids, experts_per_rank)
-    y = experts(every_x, every_w, ids_for_rank(every_ids, owners, group.rank, experts_per_rank))
+    local = local_expert_ids(every_ids, group.rank * experts_per_rank, experts_per_rank)
+    y = experts(every_x, every_w, local)
     back = all_to_all_rows(y, [t] * group.size, [t] * group.size, group)
     return back.view(group.size, t, *x.shape[1:]).float().sum(0).to(x.dtype)
 
@@ -152,6 +152,4 @@ def gather_shares(out: torch.Tensor, t: int, per: int, group: TPGroup) -> torch.
     """Every member's share [<= per, H] of the outputs -> all T rows, in row order, on every member."""
     if group.size == 1:
         return out
-    padded = out.new_zeros((per, *out.shape[1:]))
-    padded[: out.shape[0]] = out
-    return comm.all_gather_rows(padded, group)[:t]
+    return comm.all_gather_padded_rows(out, per, group)[:t]

@@ -48,7 +48,7 @@ from torch import nn
 
 from engine.checkpoint.config import ModelConfig
 from engine.distributed.groups import TPGroup
-from engine.distributed.token_exchange import gather_shares, token_share
+from engine.distributed.token_exchange import gather_shares, local_expert_ids, token_share
 from engine.errors import UsageError
 from engine.model.context import ForwardContext
 from engine.model.gate_ops import torch_gate
@@ -64,12 +64,6 @@ def select_experts(logits: torch.Tensor, cfg: ModelConfig, bias: Optional[torch.
     """Router logits [T, E] (float32) -> (weights [T, k] float32, ids [T, k] int32), by `gate`
     (engine/model/gate_ops.py; a MoE layer passes its `kernels.moe_gate`)."""
     return gate(logits, cfg, bias)
-
-
-def local_expert_ids(ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
-    """Global expert ids -> this EP rank's local ids [0, count); experts of other ranks -> -1 (skipped)."""
-    local = ids - first
-    return torch.where((local >= 0) & (local < count), local, torch.full_like(local, -1))
 
 
 class MoE(nn.Module):
