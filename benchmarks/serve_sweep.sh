@@ -30,12 +30,19 @@ for _ in $(seq 300); do
 done
 curl -sf "127.0.0.1:$PORT/health" >/dev/null || { echo "$TAG: server not healthy"; tail -30 "$OUT/$TAG-serve.log"; kill $pid; exit 1; }
 echo "$TAG: healthy after $(python3 -c "import time; print(round(time.time() - $start, 1))") s"
+cpu_s() { awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 kv() { curl -sf "127.0.0.1:$PORT/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
 for c in $CONCS; do
     n=$(( c < 8 ? 8 : (c < 128 ? 2 * c : c) ))
-    python3 -m dsctl bench serving --base-url "http://127.0.0.1:$PORT" --num-prompts "$n" --max-concurrency "$c" \
-        --random-input-len "$IN" --random-output-len "$OUTLEN" --result-file "$OUT/$TAG.jsonl" > "$OUT/$TAG-c$c.txt" 2>&1
+    s0=$(cpu_s $pid)
+    { time -p python3 -m dsctl bench serving --base-url "http://127.0.0.1:$PORT" --num-prompts "$n" \
+        --max-concurrency "$c" --random-input-len "$IN" --random-output-len "$OUTLEN" \
+        --result-file "$OUT/$TAG.jsonl" > "$OUT/$TAG-c$c.txt" 2>&1; } 2> "$OUT/$TAG-c$c.time"
     rc=$?
+    # CPU seconds over wall seconds of the benchmark client (all its processes; the busiest one's share is the
+    # table's last column) and of the HTTP server process (near 1.0: it was busy all along, and streamed chunks
+    # may bunch up: an ITL median near 0 says so)
+    awk -v s0="$s0" -v s1="$(cpu_s $pid)" '{t[$1] = $2} END {printf "client cpu/wall %.2f, server cpu/wall %.2f\n", (t["user"] + t["sys"]) / t["real"], (s1 - s0) / t["real"]}' "$OUT/$TAG-c$c.time"
     sleep 1
     alive=yes; kill -0 $pid 2>/dev/null || alive=NO
     echo "$TAG c=$c n=$n bench_rc=$rc engine_alive=$alive kv_free=$(kv dsctl_kv_cache_free_tokens)+cached=$(kv dsctl_prefix_cache_tokens)/$(kv dsctl_kv_cache_total_tokens) running=$(kv dsctl_num_requests_running) retracted=$(kv dsctl_retracted_requests_total)"
@@ -60,7 +67,7 @@ print(f"\n{sys.argv[2]} ({sys.argv[7]}): random {f(rows[0])['random_input_len']}
 print(f"copy bandwidth {bw / 1e12:.2f} TB/s; floor: bytes one GPU's decode step at the running batch "
       f"(min(conc, {maxrun}), context in + out/2) must read / that bandwidth")
 print(f"{'conc':>5} {'ok':>5} {'fail':>4} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-      f"{'TPOT p50':>8} {'floor ms':>8} {'ITL50/floor':>11}")
+      f"{'TPOT p50':>8} {'floor ms':>8} {'ITL50/floor':>11} {'client':>7}")
 for r in rows:
     s = lambda k, q: (r.get(k) or {}).get(q, float('nan'))
     conc = f(r)['max_concurrency']
@@ -68,5 +75,6 @@ for r in rows:
     floor = serving_floor_ms(model, layers, min(conc, maxrun), ctx, bw, tp, dp) if not math.isnan(bw) else float('nan')
     print(f"{conc:>5} {r['completed']:>5} {r['failed']:>4} {r['output_throughput']:9.0f} "
           f"{s('ttft_ms','median'):9.1f} {s('ttft_ms','p99'):9.1f} {s('itl_ms','median'):8.2f} {s('itl_ms','p99'):8.2f} "
-          f"{s('tpot_ms','median'):8.2f} {floor:8.2f} {s('itl_ms','median') / floor:11.2f}")
+          f"{s('tpot_ms','median'):8.2f} {floor:8.2f} {s('itl_ms','median') / floor:11.2f} "
+          f"{r.get('client_processes', 1)}x{100 * (r.get('client_busy') or float('nan')):3.0f}%")
 PY

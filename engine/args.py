@@ -32,6 +32,7 @@ from engine.errors import UsageError
 KERNEL_CONFIG_DIR_ENV = "DSCTL_KERNEL_CONFIG_DIR"
 # Environment variable an operator may set instead of --api-key (not visible in the process list; read here).
 API_KEY_ENV = "DSCTL_API_KEY"
+PIECEWISE_DEFAULT_MAX_TOKENS = 8192  # the piecewise CUDA graphs' largest default token bucket
 
 
 def flag(default: Any, help: str, choices: tuple | None = None, aliases: tuple = ()) -> Any:
@@ -168,22 +169,26 @@ class SchedulerArgs:
         "step N overlaps the device work of step N+1).",
     )
     enable_mixed_chunk: bool = flag(
-        False, "Mixed batches: while a prompt is prefilled, the running requests decode their next token in the "
+        True, "Mixed batches: while a prompt is prefilled, the running requests decode their next token in the "
         "same forward (one token each, counted in --chunked-prefill-size / --max-prefill-tokens) instead of "
-        "in a decode step of their own between prefill steps (off by default: no ITL gain measured on an "
-        "H100, docs/perf.md).",
+        "in a decode step of their own between prefill steps (--no-enable-mixed-chunk: alternate them).",
     )
 
     itl_target_ms: float = flag(
-        -1.0, "While requests decode, cap each prefill step's prompt tokens so that the gap a stream sees "
-        "(the prefill step plus its own decode step) stays within this many ms, from the measured step times "
-        "(0: 3x the recent decode step; -1, the default: no cap, only --chunked-prefill-size; off until it is "
-        "shown to pay, docs/perf.md). Needs chunking.",
+        0.0, "While requests decode, cap each prefill step's prompt tokens so that the gap a stream sees (the "
+        "mixed step, or the prefill step plus its own decode step) stays within this many ms, predicted from "
+        "the measured step times (0, the default: 3x the recent decode step; -1: no cap, only "
+        "--chunked-prefill-size). Needs chunking.",
     )
     min_prefill_tokens: int = flag(
         512, "The smallest prefill step the --itl-target-ms cap allows, so prompts progress under any decode "
         "load.",
     )
+
+    def step_budget(self) -> int:
+        """Most tokens one prefill step computes: --max-prefill-tokens, and --chunked-prefill-size when chunking."""
+        chunk = self.chunked_prefill_size
+        return min(self.max_prefill_tokens, chunk) if chunk is not None and chunk > 0 else self.max_prefill_tokens
 
     def validate(self) -> None:
         _check_choices(self)
@@ -255,6 +260,16 @@ class KernelArgs:
         None, "Comma-separated decode batch sizes to capture (default: 1,2,4,8 then steps of 8 up to "
         "--cuda-graph-max-bs). Batches are padded to the nearest captured size.",
     )
+    piecewise_cuda_graph_max_tokens: Optional[int] = flag(
+        None, "Extend (prefill and mixed prefill + decode) steps of up to this many tokens replay piecewise CUDA "
+        "graphs: every layer's work but attention captured per token bucket, attention run eagerly between "
+        "them (default: the prefill step budget, --chunked-prefill-size, at most 8192; 0: extend steps run "
+        "eagerly). Not under DP attention or with --disable-mla.",
+    )
+    skip_compile_wait: bool = flag(
+        False, "Report ready while the prefill steps' Triton kernels still compile in the background (on a "
+        "cold Triton cache the first requests may then wait for a compile; by default start-up waits).",
+    )
     enable_torch_compile: bool = flag(
         False, "torch.compile the captured decode paths (set TORCHINDUCTOR_CACHE_DIR to reuse compiles "
         "across restarts).",
@@ -295,6 +310,9 @@ class KernelArgs:
         if self.disable_mla and self.attention == "flashinfer":
             raise UsageError("--disable-mla keeps expanded per-head K/V, which FlashInfer's MLA wrapper cannot "
                              "read: use --attention-backend triton or torch with it")
+        if self.piecewise_cuda_graph_max_tokens is not None and self.piecewise_cuda_graph_max_tokens < 0:
+            raise UsageError("--piecewise-cuda-graph-max-tokens must be >= 0 (0: extend steps run eagerly; got "
+                             f"{self.piecewise_cuda_graph_max_tokens})")
         if (self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1) or self.torch_compile_max_bs < 1:
             raise UsageError("--cuda-graph-max-bs and --torch-compile-max-bs must be >= 1")
         if self.triton_compile_workers is not None and self.triton_compile_workers < 0:
@@ -551,6 +569,13 @@ class EngineArgs:
             by_group.setdefault(group_of(name), {})[name] = value
         return dataclasses.replace(self, **{g: dataclasses.replace(getattr(self, g), **kw)
                                             for g, kw in by_group.items()})
+
+    def piecewise_max_tokens(self) -> int:
+        """The largest extend step of the piecewise CUDA graphs (0: none): --piecewise-cuda-graph-max-tokens, or
+        the prefill step budget (at most PIECEWISE_DEFAULT_MAX_TOKENS)."""
+        if self.kernels.piecewise_cuda_graph_max_tokens is not None:
+            return self.kernels.piecewise_cuda_graph_max_tokens
+        return min(self.scheduler.step_budget(), PIECEWISE_DEFAULT_MAX_TOKENS)
 
     def value(self, flag_name: str) -> Any:
         """One flag's value by its field name."""

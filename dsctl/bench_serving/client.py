@@ -3,9 +3,9 @@
 Times each request from the moment it is sent: TTFT is the first chunk that
 carries text (content or reasoning), ITLs are the gaps between text chunks.
 Token counts come from the stream's usage chunk (stream_options.include_usage)
-when the server sends one, else from the tokenizer, else from estimates; each
-result also keeps the lengths that were asked for, so the report can show where
-the server counted differently.
+when the server sends one, else from the tokenizer after the run (count_tokens),
+else from the number of text chunks; each result also keeps the lengths that were
+asked for, so the report can show where the server counted differently.
 Any failure (HTTP error, error event, broken stream, timeout) becomes a failed
 result with its message; nothing is dropped.
 """
@@ -69,6 +69,7 @@ class RequestResult:
     counted_by: str = "estimate"  # usage | tokenizer | estimate
     asked_prompt_len: Optional[int] = None  # the request's prompt_len / max_tokens, for comparison
     asked_output_len: Optional[int] = None
+    text: Optional[str] = None  # the streamed text, kept only while it waits for count_tokens (no usage)
 
     @property
     def itl(self) -> list[float]:
@@ -87,7 +88,7 @@ class StreamError(Exception):
 
 
 def _chunk_text(obj: dict, kind: str) -> str:
-    choices = obj.get("choices") or []
+    choices = obj.get("choices")
     if not choices:
         return ""
     if kind == "chat":
@@ -106,34 +107,63 @@ def _error_text(status: int, body: bytes) -> str:
     return f"HTTP {status}: {text[:200]}"
 
 
-async def send(client, api: Api, req: BenchRequest, t0: float, tok: Optional[TokenCounter]) -> RequestResult:
-    """Send one streaming request; never raises for request-level failures."""
+class StreamEvents:
+    """The server-sent events of one response, fed the bytes as they arrive.
+
+    The hot path of the benchmark: per read, one split into lines; per event, one json.loads.
+    Every event of one read gets the read's timestamp (when the client could first see it).
+    """
+
+    __slots__ = ("kind", "start", "times", "pieces", "usage", "done", "_rest")
+
+    def __init__(self, kind: str, start: float):
+        self.kind, self.start = kind, start
+        self.times: list[float] = []  # seconds since send, events with text
+        self.pieces: list[str] = []
+        self.usage: dict = {}
+        self.done = False
+        self._rest = b""
+
+    def feed(self, data: bytes, now: float) -> None:
+        lines = (self._rest + data).split(b"\n") if self._rest else data.split(b"\n")
+        self._rest = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:") and not self.done:
+                self._event(line[5:].strip(), now)
+
+    def _event(self, payload: bytes, now: float) -> None:
+        if payload == b"[DONE]":
+            self.done = True
+            return
+        obj = json.loads(payload)
+        if obj.get("error"):
+            err = obj["error"]
+            raise StreamError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
+        text = _chunk_text(obj, self.kind)
+        if text:
+            self.times.append(now - self.start)
+            self.pieces.append(text)
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+
+
+async def send(client, api: Api, req: BenchRequest, t0: float) -> RequestResult:
+    """Send one streaming request; never raises for request-level failures.
+
+    Without a usage event, the output is counted by its text chunks and the text is kept for
+    count_tokens, which counts it with the tokenizer after the run (off the timed path).
+    """
     start = time.perf_counter()
-    times: list[float] = []
-    pieces: list[str] = []
-    usage: dict = {}
+    events = StreamEvents(api.kind, start)
     try:
         async with client.stream("POST", api.url, json=api.body(req), headers=api.headers) as response:
             if response.status_code != 200:
                 raise StreamError(_error_text(response.status_code, await response.aread()))
-            done = False
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    done = True
+            async for data in response.aiter_bytes():
+                events.feed(data, time.perf_counter())
+                if events.done:
                     break
-                obj = json.loads(payload)
-                if obj.get("error"):
-                    err = obj["error"]
-                    raise StreamError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
-                text = _chunk_text(obj, api.kind)
-                if text:
-                    times.append(time.perf_counter() - start)
-                    pieces.append(text)
-                usage = obj.get("usage") or usage
-            if not done:
+            if not events.done:
                 raise StreamError("stream ended without [DONE]")
     except Exception as exc:  # httpx errors, bad JSON, StreamError
         message = str(exc) if isinstance(exc, StreamError) else f"{type(exc).__name__}: {exc}"
@@ -141,14 +171,25 @@ async def send(client, api: Api, req: BenchRequest, t0: float, tok: Optional[Tok
                              error=message or type(exc).__name__, asked_prompt_len=req.prompt_len,
                              asked_output_len=req.output_len)
     latency = time.perf_counter() - start
+    times, usage = events.times, events.usage
+    result = RequestResult(True, req.prompt_len, len(times), start - t0, latency, times[0] if times else None,
+                           times, asked_prompt_len=req.prompt_len, asked_output_len=req.output_len)
     if usage.get("completion_tokens") is not None:
-        plen, olen, how = int(usage.get("prompt_tokens") or req.prompt_len), int(usage["completion_tokens"]), "usage"
-    elif tok is not None:
-        plen, olen, how = req.prompt_len, tok.count("".join(pieces)), "tokenizer"
+        result.prompt_len = int(usage.get("prompt_tokens") or req.prompt_len)
+        result.output_len, result.counted_by = int(usage["completion_tokens"]), "usage"
     else:
-        plen, olen, how = req.prompt_len, len(times), "estimate"
-    return RequestResult(True, plen, olen, start - t0, latency, times[0] if times else None, times,
-                         counted_by=how, asked_prompt_len=req.prompt_len, asked_output_len=req.output_len)
+        result.text = "".join(events.pieces)
+    return result
+
+
+def count_tokens(results: list[RequestResult], tok: Optional[TokenCounter]) -> None:
+    """Count with the tokenizer the output of the results the server sent no usage for (in place)."""
+    waiting = [r for r in results if r.text is not None]
+    if tok is not None and waiting:
+        for r, ids in zip(waiting, tok.encode_each([r.text for r in waiting])):
+            r.output_len, r.counted_by = len(ids), "tokenizer"
+    for r in waiting:
+        r.text = None
 
 
 def accepts_token_ids(api: Api, ids: list[int], timeout: float = 600.0) -> tuple[bool, str]:

@@ -22,9 +22,10 @@ from dsctl.bench_serving.client import Api, accepts_token_ids, normalize_base_ur
 from dsctl.bench_serving.datasets import load_requests
 from dsctl.bench_serving.metrics import Summary, summarize
 from dsctl.bench_serving.plot import _pyplot, write_plot
+from dsctl.bench_serving.processes import resolve_processes, run_load
 from dsctl.bench_serving.random_prompts import pick_form
-from dsctl.bench_serving.report import append_result, length_warnings, record, render
-from dsctl.bench_serving.runner import Load, first_model_card, run_load
+from dsctl.bench_serving.report import append_result, client_warnings, length_warnings, record, render
+from dsctl.bench_serving.runner import Load, first_model_card
 from dsctl.bench_serving.server_metrics import accept_length, spec_counts
 from dsctl.bench_serving.tokens import TokenCounter, first_tokenizer, load_tokenizer
 from engine.errors import DsctlError, UsageError
@@ -60,6 +61,7 @@ class ServingOptions:
     request_timeout: float = 600.0
     result_file: Optional[Path] = None
     plot: Optional[Path] = None
+    client_processes: int = 0  # 0: automatic (processes.client_processes)
 
 
 def parse_rate(text: str) -> float:
@@ -123,9 +125,12 @@ def run_serving(opts: ServingOptions, console: Console) -> Summary:
                              opts.random_output_len, opts.random_range_ratio, opts.seed, tok,
                              opts.sharegpt_output_len, form="text" if form == "chat" else form,
                              add_special_tokens=opts.endpoint == "completions")
-    load = Load(rate, opts.max_concurrency, opts.request_timeout)
+    if opts.client_processes < 0:
+        raise UsageError("--client-processes must be >= 0 (0: automatic)")
+    processes = resolve_processes(opts.client_processes, opts.max_concurrency, len(requests))
+    load = Load(rate, opts.max_concurrency, opts.request_timeout, processes)
     console.print(f"{len(requests)} requests ({opts.dataset}) -> {api.url} model={api.model} "
-                  f"rate={rate} max_concurrency={opts.max_concurrency or 'none'} "
+                  f"rate={rate} max_concurrency={opts.max_concurrency or 'none'} client_processes={processes} "
                   f"tokenizer={tok.source if tok else 'none (server usage / estimates)'}", highlight=False)
     console.print(f"prompts: {_FORMS[form]}", highlight=False)
     if opts.warmup:
@@ -135,12 +140,15 @@ def run_serving(opts: ServingOptions, console: Console) -> Summary:
         console.print(f"warmup: {len(results) - len(failed)}/{len(results)} ok"
                       + (f" (first error: {failed[0].error})" if failed else ""))
     spec_before = spec_counts(base, opts.api_key)
-    results, duration = run_load(api, requests, load, opts.seed, tok)
+    cpu: list[float] = []
+    results, duration = run_load(api, requests, load, opts.seed, tok, cpu=cpu)
     summary = summarize(results, duration, opts.slo_ttft_ms, opts.slo_tpot_ms)
+    summary.client_processes = processes
+    summary.client_busy = max(cpu) / duration if cpu and duration > 0 else None
     summary.spec_accept_length = accept_length(spec_before, spec_counts(base, opts.api_key))
     title = f"bench serving: {api.model} @ {base}"
     render(summary, console, title)
-    for line in length_warnings(summary, form, opts.ignore_eos):
+    for line in length_warnings(summary, form, opts.ignore_eos) + client_warnings(summary):
         console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False)
     if opts.result_file is not None:
         rec = record(summary, dataclasses.asdict(opts) | {"api_key": None}) | {"prompt_form": form}

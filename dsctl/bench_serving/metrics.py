@@ -61,6 +61,8 @@ class Summary:
     prompt_len_mismatch: int = 0  # requests whose server-counted (usage) prompt length is not the one asked
     output_len_mismatch: int = 0  # ... whose usage completion_tokens is not max_tokens
     spec_accept_length: Optional[float] = None  # dsctl server with speculative decoding: tokens per request-step
+    client_processes: int = 1  # processes that sent the requests
+    client_busy: Optional[float] = None  # CPU use of the busiest one's event loop over the run (1.0: a full core)
 
 
 def meets_slo(r: RequestResult, slo_ttft_ms: Optional[float], slo_tpot_ms: Optional[float]) -> bool:

@@ -37,6 +37,9 @@ def render(summary: Summary, console: Console, title: str) -> None:
         rows.append(("goodput (req/s within SLO)", f"{s.goodput:.2f} ({s.slo_met} requests)"))
     if s.spec_accept_length is not None:
         rows.append(("speculative accepted length", f"{s.spec_accept_length:.2f}"))
+    busy = s.client_busy
+    rows.append(("client processes", f"{s.client_processes}"
+                 + (f" (busiest: {busy:.0%} CPU)" if busy is not None else "")))
     for label, key in rows:
         table.add_row(label, key)
     if s.counted_by:
@@ -81,6 +84,18 @@ def length_warnings(summary: Summary, form: str, ignore_eos: bool) -> list[str]:
         lines.append(f"{s.output_len_mismatch} of {s.completed} requests got a different number of output tokens "
                      f"than max_tokens (asked {s.asked_output_tokens} in all, got {s.output_tokens})")
     return lines
+
+
+BUSY_CLIENT = 0.9  # CPU use of the busiest client process above which its timings are suspect
+
+
+def client_warnings(summary: Summary, min_duration_s: float = 1.0) -> list[str]:
+    """A line to print when the client processes were busy enough to delay reading the streams."""
+    busy = summary.client_busy
+    if busy is None or busy <= BUSY_CLIENT or summary.duration_s < min_duration_s:
+        return []
+    return [f"the busiest of {summary.client_processes} client process(es) used {busy:.0%} of a CPU: chunks may "
+            "have waited in socket buffers, so ITL and TPOT include the client's own delays; raise --client-processes"]
 
 
 def record(summary: Summary, flags: dict) -> dict:

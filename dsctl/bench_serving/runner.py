@@ -1,8 +1,9 @@
-"""Load generation: Poisson arrivals (or all at once) under an optional concurrency cap.
+"""Load generation in one process: Poisson arrivals (or all at once) under an optional concurrency cap.
 
 Arrival times are drawn up front from a seeded generator, so two runs with the
 same --seed send the same requests at the same offsets. Requests waiting for a
-concurrency slot start their clock only when sent.
+concurrency slot start their clock only when sent. Spreading the load over
+several processes is processes.py's job.
 """
 
 from __future__ import annotations
@@ -11,14 +12,13 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import httpx
 import numpy as np
 
 from dsctl.bench_serving.client import Api, RequestResult, send
 from dsctl.bench_serving.datasets import BenchRequest
-from dsctl.bench_serving.tokens import TokenCounter
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class Load:
     request_rate: float = math.inf  # requests per second; inf: all at once
     max_concurrency: Optional[int] = None
     timeout_s: float = 600.0
+    client_processes: int = 1  # processes sending the requests (processes.py); 1: this one
 
 
 def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
@@ -43,29 +44,29 @@ def _client(load: Load, n: int):
                              limits=httpx.Limits(max_connections=slots, max_keepalive_connections=slots))
 
 
-async def _run(api: Api, requests: list[BenchRequest], load: Load, seed: int,
-               tok: Optional[TokenCounter]) -> tuple[list[RequestResult], float]:
-    offsets = arrival_offsets(len(requests), load.request_rate, seed)
+async def run_share(api: Api, requests: list[BenchRequest], offsets: list[float], load: Load,
+                    begin: Callable[[], float] = time.perf_counter) -> tuple[list[RequestResult], float, float]:
+    """This process's load: request i sent `offsets[i]` s after the instant begin() returns.
+
+    begin() is called once the HTTP client is ready and returns a time.perf_counter() instant
+    (the default: now). At most load.max_concurrency requests are in flight. Returns the results
+    in request order, the seconds from that instant to the last completion, and the CPU seconds
+    the loop's thread used meanwhile.
+    """
     gate = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     async with _client(load, len(requests)) as client:
-        t0 = time.perf_counter()
+        t0, cpu0 = begin(), time.thread_time()
 
         async def one(req: BenchRequest, at: float) -> RequestResult:
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
             if gate is None:
-                return await send(client, api, req, t0, tok)
+                return await send(client, api, req, t0)
             async with gate:
-                return await send(client, api, req, t0, tok)
+                return await send(client, api, req, t0)
 
         results = await asyncio.gather(*(one(r, at) for r, at in zip(requests, offsets)))
-        duration = time.perf_counter() - t0
-    return list(results), duration
-
-
-def run_load(api: Api, requests: list[BenchRequest], load: Load, seed: int,
-             tok: Optional[TokenCounter] = None) -> tuple[list[RequestResult], float]:
-    """Results in request order, and the wall time from the first send to the last completion."""
-    return asyncio.run(_run(api, requests, load, seed, tok))
+        duration, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+    return list(results), duration, cpu
 
 
 def first_model_card(base_url: str, api_key: Optional[str]) -> dict:

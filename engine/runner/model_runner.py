@@ -49,11 +49,12 @@ from engine.model.kernel_registry import (
 from engine.model.rope import RotaryEmbedding
 from engine.runner.cuda_graph import CudaGraphRunner
 from engine.runner.device import pick_device, pick_dtype
+from engine.runner.piecewise_graph import PiecewiseGraphs, bucket_sizes
 from engine.runner.triton_precompile import (
     LateCompileLog,
     compile_in_background,
+    compiled_kernel,
     default_workers,
-    fresh_process,
     record,
 )
 from engine.weights.loader import iter_params
@@ -151,8 +152,9 @@ class ModelRunner:
             self._init_memory()
         self.graphs = self.prefill_compiles = None
         self.compile_workers = workers = self._triton_compile_workers() if self.device.type == "cuda" else 0
-        if workers and not fresh_process():
-            log.info("Triton kernels already compiled in this process: no parallel precompile")
+        early = compiled_kernel() if workers else None
+        if early is not None:
+            log.info("Triton kernel %s already compiled in this process: no parallel precompile", early)
             self.compile_workers = workers = 0
         prefill_kernels = []
         if workers and not self.dp_attention:
@@ -163,6 +165,14 @@ class ModelRunner:
                 self.build_graph_runner(list(self.setup.graph_batch_sizes))
         if prefill_kernels:
             self.prefill_compiles = compile_in_background(prefill_kernels, workers)
+            if not args.kernels.skip_compile_wait:
+                with _timed(phases, "prefill kernels compile"):
+                    self.prefill_compiles.wait()  # so that no request waits for one (issue: smooth streaming)
+        self.piecewise = None
+        sizes = self._piecewise_sizes()
+        if sizes:
+            with _timed(phases, "piecewise graphs"):
+                self.build_piecewise(sizes)
         self.late_compiles = LateCompileLog()
         if self.device.type == "cuda":
             self.late_compiles.install()  # from here on a compile stalls a step: say which and how long
@@ -308,6 +318,25 @@ class ModelRunner:
             if self.draft is not None:
                 self.draft.build_graphs(batch_sizes, capture)
 
+    def _piecewise_sizes(self) -> list[int]:
+        """Token buckets of the extend steps' piecewise CUDA graphs ([] where they are off: no CUDA graphs, DP
+        attention, --disable-mla, or --piecewise-cuda-graph-max-tokens 0)."""
+        if not self.setup.cuda_graphs or self.dp is not None or self.setup.expanded_kv:
+            return []
+        return bucket_sizes(self.args.piecewise_max_tokens())
+
+    def build_piecewise(self, sizes: list[int], capture: bool = True) -> None:
+        """Extend steps of up to max(sizes) tokens through piecewise CUDA graphs (engine/runner/piecewise_graph.py);
+        capture=False runs the same cut eagerly (CPU tests)."""
+        with torch.inference_mode():
+            self.piecewise = PiecewiseGraphs(self.model, self.forward_ctx, sizes, self.req_to_token.padding_row,
+                                             self.device, capture=capture)
+
+    @property
+    def extend_buckets(self) -> tuple[int, ...]:
+        """The token counts extend steps replay piecewise graphs at (a step pads to the next one); () if none."""
+        return tuple(self.piecewise.sizes) if self.piecewise is not None else ()
+
     def graph_runner(self, forward: EagerForward, batch_sizes: list[int], capture: bool,
                      spec_hidden: Optional[tuple[int, torch.dtype]] = None) -> CudaGraphRunner:
         """CUDA graphs of `forward` (the model's or the draft's) at `batch_sizes`, over this runner's request
@@ -329,22 +358,28 @@ class ModelRunner:
         return default_workers(min(self.parallel.world_size, max(1, torch.cuda.device_count())))
 
     def _record_prefill(self) -> list:
-        """The Triton kernels (engine/runner/triton_precompile.py `record`) of prefill steps of the token counts
-        that a kernel config or specialisation tells apart: one request of n scratch tokens each, compiled
-        after the capture in the background. DP attention is left out: its eager forwards are agreed
+        """The Triton kernels (engine/runner/triton_precompile.py `record`) of the extend steps a server runs, at
+        the token counts that a kernel config or specialisation tells apart: one request of n new tokens, one of
+        n new tokens on a cached prefix of n (the prefix's expansion), and n requests of one new token on a
+        cached token (a mixed step's decode rows, attending in latent space); all over the scratch slot,
+        compiled after the decode graphs' capture. DP attention is left out: its eager forwards are agreed
         between the groups."""
         sched = self.args.scheduler
-        cap = min(sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else sched.max_prefill_tokens,
-                  sched.max_prefill_tokens, self.max_model_len)
+        cap = min(sched.step_budget(), self.max_model_len)
+        pad = self.req_to_token.padding_row
 
-        def run(n: int) -> None:
-            fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * n, [self.req_to_token.padding_row], [0], [n],
-                                    torch.zeros(n, dtype=torch.int64), [n - 1], self.device)
+        def run(reqs: int, prefix: int, n: int) -> None:
+            fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * (reqs * n), [pad] * reqs, [prefix] * reqs, [n] * reqs,
+                                    torch.zeros(reqs * n, dtype=torch.int64), [reqs * n - 1], self.device)
             self.forward_ctx.begin_forward(fb)
             self._forward_eager(fb)
 
+        counts = prefill_token_counts(cap)
+        forwards = [lambda n=n: run(1, 0, n) for n in counts]
+        forwards += [lambda n=n: run(1, n, n) for n in counts if 2 * n <= self.max_model_len]
+        forwards += [lambda n=n: run(n, 1, 1) for n in counts if n <= self.max_running_requests]
         with torch.inference_mode():
-            kernels = record([lambda n=n: run(n) for n in prefill_token_counts(cap)])
+            kernels = record(forwards)
         torch.cuda.synchronize(self.device)
         return kernels
 
@@ -355,6 +390,9 @@ class ModelRunner:
             self.prefill_compiles.cancel()
         if self.graphs is not None:
             self.graphs.release()
+        if self.piecewise is not None:
+            self.piecewise.release()
+            self.piecewise = None
         if self.draft is not None:
             self.draft.release()
         self.graphs = None
@@ -409,6 +447,8 @@ class ModelRunner:
         graph_bs = self.dp.before_forward(kind, fb.num_tokens, graphable) if self.dp is not None else None
         if graph_bs is not None or (graphable and self.dp is None):
             logits, hidden = graphs.replay(fb, graph_bs)
+        elif kind == TARGET and self.piecewise is not None and self.piecewise.can_run(fb):
+            logits, hidden = self.piecewise.replay(fb)
         else:
             self.forward_ctx.begin_forward(fb)
             logits, hidden = eager(fb)

@@ -5,7 +5,7 @@ launched: ~45 s of CUDA-graph capture for 5 DeepSeek-V3 layers on an H100, and s
 first prefill of each new size (docs/perf.md "Start-up"). `record` runs forwards once with Triton's
 compile hook (`triton.knobs.runtime.jit_cache_hook`) recording each specialisation that is not compiled
 in this process instead of compiling it; Triton then skips that launch, so the pass computes garbage.
-That is only safe while NO kernel is compiled in-process (`fresh_process`): every launch is skipped
+That is only safe while NO kernel is compiled in-process (`compiled_kernel`): every launch is skipped
 then, whereas a compiled kernel would run for real and may read a skipped kernel's garbage as indices
 (the MoE GEMM after a skipped router faults). The recorded specialisations go to a pool of spawned
 worker processes (`Compiles`), each compiling one with `JITFunction.preload` (Triton's public entry
@@ -34,7 +34,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import triton
 from triton import knobs
@@ -69,10 +69,11 @@ def default_workers(ranks_on_node: int = 1) -> int:
     return max(1, cpus // max(1, ranks_on_node))
 
 
-def fresh_process(packages: tuple[str, ...] = ("kernels",)) -> bool:
-    """True while no Triton kernel of `packages` has been compiled in this process. The recording pass is
-    only safe then (module docstring): a second engine in one process, or one built after kernels ran
-    directly (tests, benchmarks), compiles in-process as without precompile."""
+def compiled_kernel(packages: tuple[str, ...] = ("kernels",)) -> Optional[str]:
+    """The first Triton kernel of `packages` already compiled in this process ("module.name"), or None while
+    the process is fresh. The recording pass is only safe in a fresh process (module docstring): a second
+    engine in one process, or one built after kernels ran directly (tests, benchmarks), compiles in-process
+    as without precompile."""
     for name, module in list(sys.modules.items()):
         if module is None or not any(name == p or name.startswith(p + ".") for p in packages):
             continue
@@ -80,8 +81,8 @@ def fresh_process(packages: tuple[str, ...] = ("kernels",)) -> bool:
             while obj is not None and not isinstance(obj, JITFunction) and hasattr(obj, "fn"):
                 obj = obj.fn  # autotuner / heuristics wrappers
             if isinstance(obj, JITFunction) and any(caches[0] for caches in obj.device_caches.values()):
-                return False
-    return True
+                return f"{name}.{obj.fn.__name__}"
+    return None
 
 
 def record(forwards: Iterable[Callable[[], object]]) -> list[Specialisation]:

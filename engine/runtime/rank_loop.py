@@ -11,8 +11,9 @@ process's ids, so deltas go out as they are.
 With tensor parallelism every rank runs the same scheduler on the same inputs (a mirror):
 each iteration rank 0 broadcasts the messages it received (an empty list as a heartbeat
 when idle, so that the others never wait past --dist-timeout), every rank applies them
-and steps; the sampled tokens are broadcast from rank 0 inside the step (the runner), so
-every scheduler makes the same decisions. Only rank 0 talks to the serving process.
+and steps; the sampled tokens are broadcast from rank 0 inside the step (the runner), and with the
+messages rank 0's prefill-cap state (engine/scheduler/prefill_budget.py: it follows measured step
+times), so every scheduler makes the same decisions. Only rank 0 talks to the serving process.
 When the serving process goes away (pipe EOF) rank 0 tells the others to stop.
 
 With DP attention (engine/distributed/dp_attention.py) the ranks form DP groups, each with its
@@ -158,11 +159,14 @@ class EngineLoop:
                 self.send_outputs()
 
     def _run_mirrored(self, inbox: Optional[Connection]) -> None:
-        """The TP loop: rank 0's messages reach every rank in the same order before the same step."""
+        """The TP loop: rank 0's messages reach every rank in the same order before the same step, with rank 0's
+        prefill-cap state (it follows measured step times, which differ per rank)."""
+        budget = self.engine.scheduler.prefill_budget
         while True:
             busy = self.engine.scheduler.has_work()
-            msgs = self._drain(inbox, busy) if self.tp.is_first else None
-            msgs = broadcast_object(msgs, 0, self.tp)
+            sent = (self._drain(inbox, busy), budget.state()) if self.tp.is_first else None
+            msgs, state = broadcast_object(sent, 0, self.tp)
+            budget.set_state(state)
             for msg in msgs:
                 if not self.handle(msg):
                     return
@@ -183,6 +187,9 @@ class EngineLoop:
                 return
             busy = bool(all_reduce_max_int(int(self.engine.scheduler.has_work()), self.tp))
             if busy:
+                if self.tp.attention.size > 1:  # the group's ranks mirror its scheduler: one prefill-cap state
+                    budget = self.engine.scheduler.prefill_budget
+                    budget.set_state(broadcast_object(budget.state(), 0, self.tp.attention))
                 self.step()
                 runner.dp.finish_iteration()
             if busy or routed:
@@ -200,11 +207,19 @@ class EngineLoop:
         return msgs
 
 
+WARM_UP_PROMPTS = (8, 256, 1024)  # prompt lengths of the warm-up generations (at most the step budget)
+
+
 def _warm_up(engine) -> None:
-    """One short generation before reporting ready, so the first real request does not pay for lazy init."""
-    vocab = engine.config.vocab_size
-    engine.generate(input_ids=[[i % vocab for i in range(1, 9)]],
-                    sampling_params=SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
+    """Short generations before reporting ready, one at a time: the first real request does not pay for lazy
+    init, and the prefill cap (engine/scheduler/prefill_budget.py) starts with extend steps of three sizes
+    and decode steps measured, so that it holds from the first burst of prompts on."""
+    runner, vocab = engine.runner, engine.config.vocab_size
+    most = min(engine.args.scheduler.step_budget(), runner.max_model_len - 8, runner.kv_pool.size // 4)
+    lengths = sorted({max(1, min(n, most)) for n in WARM_UP_PROMPTS})
+    for n in lengths:
+        engine.generate(input_ids=[[1 + i % (vocab - 1) for i in range(n)]],
+                        sampling_params=SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
 
 
 def _dp_pools(runner) -> tuple[int, ...]:

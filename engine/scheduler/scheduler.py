@@ -3,20 +3,21 @@
 Each `step()` launches one forward: an extend step (prefill of newly admitted
 requests on top of their cached prefix, and/or the next chunk of a long prompt)
 or a decode step (one token for every running request). With mixed batches
-(--enable-mixed-chunk; off by default) an extend step also carries one new token of
+(--enable-mixed-chunk; on by default) an extend step also carries one new token of
 every running request (an extend of 1 token on its cached prefix; the attention
 backends run such rows like decode), so streams keep advancing while long
 prompts arrive; those tokens count in the step's token budget. When that cannot
 be done (no budget or KV slots left for the decodes, or mixing off), after an
 extend step the next step decodes when anything is running, so long prefills
 never starve decodes. Steps without prefill work are plain decode steps (CUDA
-graphs); a mixed step runs eagerly, like every extend.
+graphs); extend and mixed steps replay piecewise CUDA graphs up to their largest token bucket
+(engine/runner/piecewise_graph.py, the runner's choice), else run eagerly.
 
 Admission (`_build_extend`) takes waiting requests in policy order (fcfs or
 lpm) while the request table, --max-running-requests, the per-step prefill
-budget (--max-prefill-tokens, and --chunked-prefill-size when chunking; with
---itl-target-ms, while requests decode, the cap of prefill_budget.py that keeps a
-stream's inter-token gap within it) and KV memory allow. A request reuses the
+budget (--max-prefill-tokens, and --chunked-prefill-size when chunking; while
+requests decode, the cap of prefill_budget.py that keeps a stream's inter-token gap
+within --itl-target-ms, by default 3x the recent decode step) and KV memory allow. A request reuses the
 longest cached prefix of its tokens (at most all but its last token) and
 reserves slots for the rest of its prompt at once; a prompt longer than the
 step budget is prefilled chunk by chunk across steps (one such request at a
@@ -60,6 +61,7 @@ checked by `prompt_check.check_prompt`, the same check the server runs.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -100,6 +102,7 @@ class Launch:
     kind: str = "decode"  # step_times.KINDS
     launched: float = 0.0  # time.perf_counter() when scheduling it began
     prompt_tokens: int = 0  # prompt tokens computed in this step (extend steps)
+    tokens: int = 0  # every token of this step (extend steps: prompt tokens and mixed decode rows)
     done: Optional[torch.cuda.Event] = None  # CUDA: recorded after a step that samples nothing
 
 
@@ -278,10 +281,10 @@ class Scheduler:
         if self.prefilling is not None or self.waiting:
             mixed = self._can_mix(decodable)
             if mixed or not (self._last_was_extend and decodable):
-                budget = self._step_budget()
+                riding = len(decodable) if mixed else 0
+                budget = self._step_budget() - riding
                 if self.chunked_prefill_size is not None:  # a cap on prompt tokens while streams wait
-                    budget = self.prefill_budget.tokens(budget, len(decodable))
-                budget -= len(decodable) if mixed else 0
+                    budget = self._fill_bucket(self.prefill_budget.tokens(budget, len(decodable), mixed), riding)
                 chunks = self._build_extend(len(decodable), budget)
                 if chunks:
                     self._last_was_extend = True
@@ -306,6 +309,16 @@ class Scheduler:
         ok, self._mix_after_failure = self._mix_after_failure, True
         return bool(ok and self.mixed and self.spec is None and decodable and self._step_budget() > len(decodable)
                     and self.mem.make_room(len(decodable)))
+
+    def _fill_bucket(self, budget: int, riding: int) -> int:
+        """The prompt-token budget lowered so that a full step (with `riding` decode rows) fills a piecewise-graph
+        token bucket exactly instead of padding up to the next one (no change without buckets, past the largest
+        one, or when the decodes alone fill the largest bucket under the budget)."""
+        buckets = self.runner.extend_buckets
+        if not buckets or budget + riding > buckets[-1]:
+            return budget  # past the largest bucket the step runs eagerly, at any size
+        i = bisect.bisect_right(buckets, budget + riding) - 1
+        return buckets[i] - riding if i >= 0 and buckets[i] > riding else budget
 
     def _step_budget(self) -> int:
         if self.chunked_prefill_size is None:
@@ -489,6 +502,7 @@ class Scheduler:
             self.spec.after_extend(chunks, out)
         launch, last_rows, row = Launch(sampled=[], sample=None, kind="mixed" if decodes else "extend"), [], 0
         launch.prompt_tokens = sum(c.end - c.start for c in chunks)
+        launch.tokens = launch.prompt_tokens + len(decodes)
         for c in chunks:
             req, n = c.req, c.end - c.start
             if req.wants_prompt_logprobs:
@@ -582,7 +596,7 @@ class Scheduler:
         now = time.perf_counter()
         seconds = now - max(launch.launched, self._last_done)
         self.step_times.record(launch.kind, seconds)
-        self.prefill_budget.observe(launch.kind, launch.prompt_tokens, seconds)
+        self.prefill_budget.observe(launch.kind, launch.tokens, seconds)
         self._last_done = now
 
     def _constrain(self, reqs: list[Request], logits: torch.Tensor) -> None:

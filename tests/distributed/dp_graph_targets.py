@@ -1,4 +1,5 @@
-"""Engine factories for spawned ranks (engine_main's `make_engine`) in the DP-attention padded-decode tests.
+"""Engine factories for spawned ranks (engine_main's `make_engine`) in the DP-attention padded-decode tests
+and the mirrored prefill-cap test.
 
 `padded_decode_engine` builds the normal Engine and then routes its decode batches through the CUDA
 graph runner's padded static batches with capture=False: the same padding, per-size batches, graph-size
@@ -8,6 +9,7 @@ agreement between DP groups and idle padding replays as on a GPU, run eagerly on
 from __future__ import annotations
 
 from engine.engine import Engine
+from engine.scheduler.prefill_budget import PrefillBudget
 
 PADDED_SIZES = [1, 2, 4, 8]
 
@@ -23,4 +25,16 @@ def padded_spec_engine(args, local_rank: int) -> Engine:
     batches of the model's and the MTP layer's graph runners, larger ones eagerly."""
     engine = Engine(args, local_rank=local_rank)
     engine.runner.build_graph_runner([1, 2, 4, 8, 16, 32], capture=False)
+    return engine
+
+
+def skewed_clock_engine(args, local_rank: int) -> Engine:
+    """Extends through the piecewise-graph cut run eagerly (capture=False), and a prefill cap with a 5 ms target
+    fed synthetic step times (1 ms + 10 us per token), 50x slower on rank 1: with its own state rank 0 would
+    take the whole step budget and rank 1 the 1-token floor."""
+    engine = Engine(args, local_rank=local_rank)
+    engine.runner.build_piecewise([16, 32, 64], capture=False)
+    budget = engine.scheduler.prefill_budget = PrefillBudget(itl_target_ms=5.0, min_tokens=1)
+    observe, scale = budget.observe, 50.0 if local_rank == 1 else 1.0
+    budget.observe = lambda kind, tokens, seconds: observe(kind, tokens, scale * (1e-3 + 1e-5 * tokens))
     return engine

@@ -1,6 +1,7 @@
 """The prefill cap that follows the decode load (--itl-target-ms): the line it fits to the extend steps, the
-cap it derives, and on the tiny model a run where every prefill step taken while requests decode stays within
-the cap, prompts still progress, decodes are never starved, and the outputs equal the uncapped run's."""
+cap it derives (mixed steps: the step itself within the target; alternating: the step plus a decode step),
+and on the tiny model, mixed and alternating, a run where every prefill step taken while requests decode stays
+within the cap, prompts still progress, decodes are never starved, and the outputs equal the uncapped run's."""
 
 from __future__ import annotations
 
@@ -43,6 +44,28 @@ def test_cap_from_auto_and_fixed_targets():
     assert off.tokens(8192, decoding=8) == 8192
 
 
+def test_mixed_cap_counts_the_decode_rows_not_a_decode_step():
+    auto = _taught(PrefillBudget(0.0, 64))
+    # the stream waits for the mixed step alone; its 8 decode rows are tokens of that step
+    want = int((ITL_AUTO_FACTOR * 0.01 - 0.004) / 1e-5) - 8
+    assert auto.tokens(8192, decoding=8, mixed=True) == pytest.approx(want, abs=1)
+    assert auto.tokens(8192, decoding=8, mixed=True) > auto.tokens(8192, decoding=8)
+    heavy = _taught(PrefillBudget(0.0, 64))  # decodes alone fill the target: the floor keeps prompts moving
+    assert heavy.tokens(8192, decoding=3000, mixed=True) == 64
+
+
+def test_mixed_steps_teach_the_line():
+    b = PrefillBudget(0.0, 64)
+    for tokens in (100, 900, 2000, 4000):
+        b.observe("mixed", tokens, 0.004 + 1e-5 * tokens)
+    assert b.extend.fit() == pytest.approx((0.004, 1e-5), rel=1e-6)
+    # no decode step seen yet (every step mixed): a decode step of 100 requests as the line predicts it
+    decode = 0.004 + 1e-5 * 100
+    assert b.target_seconds(100) == pytest.approx(ITL_AUTO_FACTOR * decode)
+    want = int((ITL_AUTO_FACTOR * decode - 0.004) / 1e-5) - 100
+    assert b.tokens(8192, decoding=100, mixed=True) == pytest.approx(want, abs=1)
+
+
 def test_no_cap_until_the_line_is_known():
     b = PrefillBudget(0.0, 64)
     for _ in range(WARMUP_STEPS + 2):  # always the same size: no slope to fit
@@ -72,27 +95,34 @@ def _workload():
     return prompts, params
 
 
-def test_capped_steps_while_decoding(engine, monkeypatch):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_capped_steps_while_decoding(engine, monkeypatch, mixed):
     prompts, params = _workload()
-    swap_scheduler(engine, chunked_prefill_size=64, itl_target_ms=-1)
+    swap_scheduler(engine, chunked_prefill_size=64, itl_target_ms=-1, enable_mixed_chunk=False)
     ref = engine.generate(input_ids=prompts, sampling_params=params)
 
-    sched = swap_scheduler(engine, chunked_prefill_size=64, itl_target_ms=30.0, min_prefill_tokens=4)
+    sched = swap_scheduler(engine, chunked_prefill_size=64, itl_target_ms=30.0, min_prefill_tokens=4,
+                           enable_mixed_chunk=mixed)
     budget = _taught(sched.prefill_budget, fixed=0.004, per_token=1e-3, decode=0.01)  # cap: 16 tokens
     monkeypatch.setattr(budget, "observe", lambda *a: None)  # keep the taught line (CPU timings vary)
     cap = budget.tokens(64, decoding=1)
     assert cap == pytest.approx(16, abs=1)
-    steps = []  # (prompt tokens, requests decoding) per extend step
+    steps = []  # (prompt tokens, requests decoding, decodes riding) per extend step
     launch = sched._launch_extend
 
     def record(chunks, decodes):
-        steps.append((sum(c.end - c.start for c in chunks), len(sched._decodable())))
+        steps.append((sum(c.end - c.start for c in chunks), len(sched._decodable()), len(decodes)))
         return launch(chunks, decodes)
     monkeypatch.setattr(sched, "_launch_extend", record)
     got = engine.generate(input_ids=prompts, sampling_params=params)
 
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    assert all(tokens <= cap for tokens, decoding in steps if decoding), steps
-    assert any(tokens > cap for tokens, decoding in steps if not decoding), steps  # idle: the whole budget
-    assert sched.stats()["decode_steps"] > 0
+    for tokens, decoding, riding in steps:
+        if decoding:  # mixed: 30 ms holds 26 tokens after the fixed 4 ms, the decode rows among them
+            limit = max(4, 26 - riding) if riding else cap
+            assert tokens <= limit, steps
+    assert any(tokens > cap for tokens, decoding, _ in steps if not decoding), steps  # idle: the whole budget
+    assert any(riding for *_, riding in steps) == mixed, steps
+    if not mixed:
+        assert sched.stats()["decode_steps"] > 0
     assert_settled(engine, sched)

@@ -1,0 +1,69 @@
+"""Extend steps through the piecewise CUDA-graph path, on CPU: the runner built with capture=False pads each
+extend (prefill and mixed) batch to its token bucket, copies every layer's attention inputs into the static
+buffers at the cut and runs the real attention on the batch's own tokens between the pieces, eagerly, as a
+replay does. Greedy tokens and log-probs equal the plain eager engine's, with prefix-cache hits, chunked
+prompts and mixed batches; batches larger than the largest bucket still run eagerly. The GPU capture is
+tests/gpu/test_cuda_paths.py's."""
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.runner.piecewise_graph import bucket_sizes
+from engine.sampling import SamplingParams
+
+FLAGS = dict(device="cpu", dtype="float32", chunked_prefill_size=24, enable_mixed_chunk=True)
+
+
+def _prompts(n=10, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 256, (20,), generator=g).tolist()
+    out = []
+    for i in range(n):
+        tail = torch.randint(0, 256, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        out.append((shared if i % 2 else []) + tail)
+    return out
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(0) == []
+    assert bucket_sizes(100) == [16, 32, 64, 100]
+    assert bucket_sizes(8192)[-1] == 8192 and bucket_sizes(8192) == sorted(set(bucket_sizes(8192)))
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-py"])
+def test_piecewise_extend_identical(monkeypatch, model):
+    ref_engine = Engine(model=model, **FLAGS)
+    eng = Engine(model=model, **FLAGS)
+    eng.runner.build_piecewise([16, 32], capture=False)  # steps of up to 24 tokens (a chunk)
+    calls, real = [], eng.runner.piecewise.replay
+
+    def counted(fb):
+        calls.append(fb.num_tokens)
+        return real(fb)
+
+    monkeypatch.setattr(eng.runner.piecewise, "replay", counted)
+    ps = _prompts()
+    params = [SamplingParams(max_new_tokens=6 + i % 5, temperature=0, ignore_eos=True, logprobs=True)
+              for i in range(len(ps))]
+    ref = ref_engine.generate(input_ids=ps, sampling_params=params)
+    got = eng.generate(input_ids=ps, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    worst = max(abs(a - b) for o, r in zip(got, ref) for a, b in zip(o.logprobs, r.logprobs))
+    assert worst < 1e-4
+    # full steps fill the 16-token bucket exactly (the scheduler sizes them so); the last chunks pad
+    assert 16 in calls and any(n < 16 for n in calls), calls
+    assert eng.scheduler.stats()["mixed_steps"] > 0
+
+
+def test_capped_steps_fill_a_bucket():
+    eng = Engine(model="tiny", **FLAGS)
+    sched = eng.scheduler
+    assert sched._fill_bucket(30, 8) == 30  # no piecewise graphs: unchanged
+    eng.runner.build_piecewise([16, 32], capture=False)
+    assert eng.runner.extend_buckets == (16, 32)
+    assert sched._fill_bucket(24, 8) == 24  # 32 tokens: a bucket already
+    assert sched._fill_bucket(20, 8) == 8  # 28 tokens would pad to 32: fill 16 instead
+    assert sched._fill_bucket(10, 8) == 8  # 18 -> 16
+    assert sched._fill_bucket(5, 20) == 5  # the decodes alone exceed the bucket below: unchanged
+    assert sched._fill_bucket(100, 4) == 100  # beyond the largest bucket: an eager step of any size
