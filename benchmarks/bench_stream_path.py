@@ -1,0 +1,161 @@
+"""The HTTP server's streaming path alone: the real app and EngineClient dispatch, with a steady stand-in engine.
+
+Every step (--step-ms) the stand-in emits one token for each running request, as one StepOutputs that goes
+through pickle (what crosses the engine pipe) and the client's dispatch on the event loop, as a real engine's
+does; `dsctl bench serving` (a subprocess, its own client processes) then measures TTFT / ITL against it.
+What the server adds per streamed token (detokenisation, metrics, JSON, SSE, the HTTP writes) shows as its
+process's CPU seconds per token and as ITL spread: with a perfectly steady engine, ITL p50 should equal the
+step and p99 stay near it; bunched chunks (ITL p50 near 0) mean the server fell behind.
+
+    python3 benchmarks/bench_stream_path.py --concurrency 256 --step-ms 20 --output-len 256
+    python3 benchmarks/bench_stream_path.py --loop uvloop --http httptools ...   (uvicorn's faster loop / parser)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pickle
+import queue
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.args import EngineArgs  # noqa: E402
+from engine.checkpoint.resolve import resolve_model  # noqa: E402
+from engine.checkpoint.tokenizer import load_tokenizer  # noqa: E402
+from engine.runtime.client import EngineClient  # noqa: E402
+from engine.runtime.protocol import AbortRequest, AddRequest, EngineInfo, EngineStats, StepOutputs  # noqa: E402
+from engine.scheduler.output import RequestOutput  # noqa: E402
+from engine.server.app import build_app  # noqa: E402
+
+
+class SteadyEngine(EngineClient):
+    """An EngineClient whose 'engine' is a thread here: one token per running request every `step_s`."""
+
+    def __init__(self, args: EngineArgs, step_s: float, vocab: int):
+        super().__init__(args)
+        self.step_s, self.vocab = step_s, vocab
+        self.steps = 0
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.ready = asyncio.Event()
+        self.info = EngineInfo(max_model_len=8192, vocab_size=self.vocab, kv_total_tokens=1 << 22,
+                               max_running_requests=4096, pid=os.getpid())
+        self.ready.set()
+        threading.Thread(target=self._engine, name="steady-engine", daemon=True).start()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        self._outq.put(None)
+
+    def _engine(self) -> None:
+        running: dict[str, int] = {}  # rid -> tokens still to send
+        nxt = time.perf_counter()
+        while True:
+            try:
+                while True:
+                    msg = self._outq.get_nowait()
+                    if msg is None:
+                        return
+                    if isinstance(msg, AddRequest):
+                        running[msg.rid] = msg.params.max_new_tokens
+                    elif isinstance(msg, AbortRequest):
+                        running.pop(msg.rid, None)
+            except queue.Empty:
+                pass
+            outs = []
+            for rid, left in list(running.items()):
+                done = left == 1
+                outs.append(RequestOutput(rid, new_token_ids=[1000 + (left * 7919) % (self.vocab - 2000)],
+                                          finish_reason="length" if done else None))
+                running[rid] = left - 1
+                if done:
+                    del running[rid]
+            if outs:
+                msg = pickle.loads(pickle.dumps(StepOutputs(outs, EngineStats(running=len(running)))))
+                self._call(self._dispatch, msg)
+                self.steps += 1
+            nxt += self.step_s
+            time.sleep(max(0.0, nxt - time.perf_counter()))
+
+
+def serve(opts, port: int) -> None:
+    import uvicorn  # lazy: only the server side of this script needs it
+
+    args = EngineArgs.of(model="deepseek-v3", load_format="dummy", port=port)
+    tokenizer = load_tokenizer(resolve_model(args.model).tokenizer_path)
+    client = SteadyEngine(args, opts.step_ms / 1000, tokenizer.vocab_size if hasattr(tokenizer, "vocab_size")
+                          else 129280)
+    app = build_app(args, tokenizer, client)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop=opts.loop, http=opts.http)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=0, help="default: the concurrency")
+    p.add_argument("--step-ms", type=float, default=20.0)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--client-processes", type=int, default=0)
+    p.add_argument("--loop", default="asyncio", help="uvicorn's --loop (asyncio, uvloop)")
+    p.add_argument("--http", default="h11", help="uvicorn's --http (h11, httptools)")
+    p.add_argument("--port", type=int, default=30777)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    opts = p.parse_args()
+    if opts.serve:
+        serve(opts, opts.port)
+        return
+    server = subprocess.Popen([sys.executable, __file__, "--serve", *sys.argv[1:]])
+    try:
+        import httpx  # lazy: the driver side only
+
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{opts.port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        before = _cpu_seconds(server.pid)
+        with tempfile.NamedTemporaryFile(suffix=".jsonl") as out:
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "dsctl", "bench", "serving", "--base-url",
+                            f"http://127.0.0.1:{opts.port}", "--num-prompts", str(opts.num_prompts or opts.concurrency),
+                            "--max-concurrency", str(opts.concurrency), "--random-input-len", str(opts.input_len),
+                            "--random-output-len", str(opts.output_len), "--client-processes",
+                            str(opts.client_processes), "--result-file", out.name],
+                           check=True, stdout=subprocess.DEVNULL)
+            wall = time.perf_counter() - t0
+            cpu = _cpu_seconds(server.pid) - before
+            r = json.loads(open(out.name).read().splitlines()[-1])
+        tokens = r["total_output_tokens"] if "total_output_tokens" in r else r.get("output_tokens", 0)
+        itl, tpot = r["itl_ms"], r["tpot_ms"]
+        print(f"loop={opts.loop} http={opts.http} conc={opts.concurrency} step={opts.step_ms} ms: "
+              f"out tok/s {r['output_throughput']:.0f}, ITL p50 {itl['median']:.2f} p99 {itl['p99']:.2f} ms, "
+              f"TPOT p50 {tpot['median']:.2f} ms, server CPU {cpu:.2f} s over {wall:.2f} s "
+              f"({1e6 * cpu / max(1, tokens):.0f} us per token), client {r.get('client_processes')} processes "
+              f"busiest {100 * (r.get('client_busy') or 0):.0f}%")
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+if __name__ == "__main__":
+    resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096)) if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 4096 \
+        else None
+    main()
