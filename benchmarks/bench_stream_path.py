@@ -92,8 +92,7 @@ def serve(opts, port: int) -> None:
 
     args = EngineArgs.of(model="deepseek-v3", load_format="dummy", port=port)
     tokenizer = load_tokenizer(resolve_model(args.model).tokenizer_path)
-    client = SteadyEngine(args, opts.step_ms / 1000, tokenizer.vocab_size if hasattr(tokenizer, "vocab_size")
-                          else 129280)
+    client = SteadyEngine(args, opts.step_ms / 1000, getattr(tokenizer, "vocab_size", 129280))
     app = build_app(args, tokenizer, client)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop=opts.loop, http=opts.http)
 
@@ -156,6 +155,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 if __name__ == "__main__":
-    resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096)) if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 4096 \
-        else None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 4096:  # a socket per stream
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
     main()

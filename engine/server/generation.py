@@ -75,6 +75,21 @@ class Sequence(CollectedOutput):
             self._pushed = upto
 
 
+def _runs(items: list[tuple[int, object]]) -> list[tuple[int, list]]:
+    """Queued (index, item) pairs grouped into runs of one sequence's consecutive outputs, in order; an output
+    with prompt log-probs, and anything not an output (a failure), is a run of its own."""
+    runs: list[tuple[int, list]] = []
+    for index, item in items:
+        alone = not isinstance(item, RequestOutput) or item.prompt_logprobs is not None
+        last = runs[-1] if runs else None
+        if last is not None and last[0] == index and not alone and isinstance(last[1][-1], RequestOutput) \
+                and not last[1][-1].finished and last[1][-1].prompt_logprobs is None:
+            last[1].append(item)
+        else:
+            runs.append((index, [item]))
+    return runs
+
+
 class Generation:
     def __init__(self, client: EngineClient, sequences: list[Sequence], metrics=None):
         self.client, self.sequences, self.metrics = client, sequences, metrics
@@ -94,26 +109,40 @@ class Generation:
             seq.rid = self.client.submit(seq.prompt_ids, seq.params, self.sink, i, grammar=seq.grammar)
 
     async def events(self) -> AsyncIterator[tuple[int, str, RequestOutput]]:
-        """(sequence index, text delta, raw output) as they arrive, until every sequence finished."""
+        """(sequence index, text delta, raw output) as they arrive, until every sequence finished.
+
+        Outputs that queued up while this request waited for the event loop (the server fell behind the
+        engine's steps under load) go out as one event per run of the same sequence: one chunk carrying
+        several tokens instead of several chunks written back to back, which also spares the loop the work
+        of the extra chunks. An output with prompt log-probs stays an event of its own."""
         left = len(self.sequences)
         try:
             while left:
-                index, item = await self.sink.get()
-                if isinstance(item, AddFailed):
-                    raise bad_request(item.message) if item.user_error else server_error(item.message)
-                if isinstance(item, EngineDead):
-                    raise engine_failed(item.message)
-                seq = self.sequences[index]
-                now = time.monotonic()
-                delta = seq.apply(item)
-                self._observe(seq, item, now)
-                if item.finish_reason == "error":  # a failed engine step: a 500, or an error event in a stream
-                    raise server_error(f"the request failed in the engine: {item.error}")
-                if item.finished:
-                    left -= 1
-                yield index, delta, item
+                items = [await self.sink.get()]
+                while not self.sink.empty():
+                    items.append(self.sink.get_nowait())
+                for index, run in _runs(items):
+                    delta, item = "", None
+                    for item in run:
+                        delta += self._apply(index, item)
+                    left -= bool(item.finished)
+                    yield index, delta, item
         finally:
             self.abort()
+
+    def _apply(self, index: int, item) -> str:
+        """One queued item into its sequence (raising the APIError a failure is); the text it adds."""
+        if isinstance(item, AddFailed):
+            raise bad_request(item.message) if item.user_error else server_error(item.message)
+        if isinstance(item, EngineDead):
+            raise engine_failed(item.message)
+        seq = self.sequences[index]
+        now = time.monotonic()
+        delta = seq.apply(item)
+        self._observe(seq, item, now)
+        if item.finish_reason == "error":  # a failed engine step: a 500, or an error event in a stream
+            raise server_error(f"the request failed in the engine: {item.error}")
+        return delta
 
     def abort(self) -> None:
         for seq in self.sequences:

@@ -130,3 +130,64 @@ def test_shutdown_aborts_every_request_with_a_final_delta(engine):
     assert sorted(final) == ["s0", "s1", "s2"] and all(o.finish_reason == "abort" for o in final.values())
     engine.scheduler.flush()
     assert not engine.scheduler.has_work() and engine.scheduler.take_outputs() == []
+
+
+class _QueuedClient:
+    """Generation's client: submit records the sink; everything the engine sent is queued before it is read."""
+
+    def __init__(self):
+        self.rids = []
+
+    def check_capacity(self, n):
+        pass
+
+    def submit(self, prompt_ids, params, sink, tag, grammar=None):
+        self.sink = sink
+        self.rids.append(f"r{len(self.rids)}")
+        return self.rids[-1]
+
+    def abort(self, rid):
+        pass
+
+
+def test_queued_outputs_go_out_as_one_event_per_sequence_run(engine):
+    """The server fell behind the engine: every delta of two sequences (one with log-probs and top log-probs,
+    one with prompt log-probs) is queued at once. events() gives one event per run of a sequence's outputs,
+    the prompt log-probs' output an event of its own, and the same text, tokens and log-probs as one event per
+    delta."""
+    import asyncio
+
+    from engine.server.generation import Generation
+
+    prompts = _prompts(2, seed=4)
+    params = [SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2),
+              SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=True)]
+    one_by_one, streamed = _run_loop(engine, prompts, params)
+    outbox = Outbox()
+    loop = EngineLoop(engine, outbox)
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        loop.handle(AddRequest(f"r{i}", ids, copy.deepcopy(p)))
+    while engine.scheduler.has_work():
+        loop.step()
+        loop.send_outputs()
+    deltas = [out for msg in outbox.sent for out in msg.outputs]
+    client = _QueuedClient()
+    seqs = [Sequence(ids, copy.deepcopy(p), engine.tokenizer) for ids, p in zip(prompts, params)]
+    gen = Generation(client, seqs)
+    gen.submit()
+    by_rid = dict(zip(client.rids, range(len(seqs))))
+    for out in sorted(deltas, key=lambda o: o.rid):  # every delta of r0, then of r1: two runs at most
+        client.sink.put_nowait((by_rid[out.rid], out))
+
+    async def read():
+        return [(i, text, out) for i, text, out in [e async for e in gen.events()]]
+
+    events = asyncio.run(read())
+    assert [i for i, _, _ in events] == [0, 1, 1], "r0's deltas in one event; r1's prompt log-probs alone"
+    assert events[1][2].prompt_logprobs is not None and events[2][2].finished
+    for i, seq in enumerate(seqs):
+        want = one_by_one[f"r{i}"]
+        assert seq.finished and seq.output_ids == want.output_ids and seq.text == want.text
+        assert "".join(text for j, text, _ in events if j == i) == streamed[f"r{i}"]
+        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(want.logprobs), atol=1e-4, rtol=0)
+        assert [[t for t, _ in top] for top in seq.top_logprobs] == [[t for t, _ in top] for top in want.top_logprobs]
