@@ -76,7 +76,6 @@ class PiecewiseGraphs:
         sizes: token buckets; padding_row: the request table's padding row (its slots are the scratch slot)."""
         self.model, self.ctx, self.sizes, self.device = model, ctx, sorted(sizes), device
         self.padding_row = padding_row
-        self.capture_enabled = capture
         n = self.max_tokens = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)

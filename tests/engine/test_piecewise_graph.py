@@ -67,3 +67,16 @@ def test_capped_steps_fill_a_bucket():
     assert sched._fill_bucket(10, 8) == 8  # 18 -> 16
     assert sched._fill_bucket(5, 20) == 5  # the decodes alone exceed the bucket below: unchanged
     assert sched._fill_bucket(100, 4) == 100  # beyond the largest bucket: an eager step of any size
+
+
+def test_piecewise_max_tokens_flag():
+    from engine.args import EngineArgs
+    from engine.errors import UsageError
+
+    assert EngineArgs.of(model="tiny").piecewise_max_tokens() == 8192  # the step budget, 8192 tokens
+    assert EngineArgs.of(model="tiny", chunked_prefill_size=2048).piecewise_max_tokens() == 2048
+    assert EngineArgs.of(model="tiny", chunked_prefill_size=-1, max_prefill_tokens=4096).piecewise_max_tokens() == 4096
+    assert EngineArgs.of(model="tiny", chunked_prefill_size=-1).piecewise_max_tokens() == 8192  # at most 8192
+    assert EngineArgs.of(model="tiny", piecewise_cuda_graph_max_tokens=0).piecewise_max_tokens() == 0
+    with pytest.raises(UsageError, match="piecewise-cuda-graph-max-tokens"):
+        EngineArgs.of(model="tiny", piecewise_cuda_graph_max_tokens=-2).validate()
