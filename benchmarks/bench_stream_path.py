@@ -136,7 +136,7 @@ def main() -> None:
             wall = time.perf_counter() - t0
             cpu = _cpu_seconds(server.pid) - before
             r = json.loads(open(out.name).read().splitlines()[-1])
-        tokens = r["total_output_tokens"] if "total_output_tokens" in r else r.get("output_tokens", 0)
+        tokens = r["output_tokens"]
         itl, tpot = r["itl_ms"], r["tpot_ms"]
         print(f"loop={opts.loop} http={opts.http} conc={opts.concurrency} step={opts.step_ms} ms: "
               f"out tok/s {r['output_throughput']:.0f}, ITL p50 {itl['median']:.2f} p99 {itl['p99']:.2f} ms, "

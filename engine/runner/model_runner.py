@@ -335,7 +335,7 @@ class ModelRunner:
     @property
     def extend_buckets(self) -> tuple[int, ...]:
         """The token counts extend steps replay piecewise graphs at (a step pads to the next one); () if none."""
-        return tuple(self.piecewise.sizes) if self.piecewise is not None else ()
+        return self.piecewise.sizes if self.piecewise is not None else ()
 
     def graph_runner(self, forward: EagerForward, batch_sizes: list[int], capture: bool,
                      spec_hidden: Optional[tuple[int, torch.dtype]] = None) -> CudaGraphRunner:

@@ -74,7 +74,7 @@ class PiecewiseGraphs:
                  capture: bool = True):
         """model: a DeepseekForCausalLM; ctx: its forward context (its attention backend is the real one);
         sizes: token buckets; padding_row: the request table's padding row (its slots are the scratch slot)."""
-        self.model, self.ctx, self.sizes, self.device = model, ctx, sorted(sizes), device
+        self.model, self.ctx, self.sizes, self.device = model, ctx, tuple(sorted(sizes)), device
         self.padding_row = padding_row
         n = self.max_tokens = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -87,7 +87,7 @@ class PiecewiseGraphs:
         self.hidden: dict[int, torch.Tensor] = {}  # per bucket: the chain's final hidden states
         self.capture_seconds = 0.0
         self._fb: Optional[ForwardBatch] = None  # the real batch being replayed
-        self._backend = ctx.attn_backend  # the real attention backend
+        self._backend = ctx.attn_backend  # the real attention backend (the cut stands in for it in the forward)
         self._tokens = 0
         self._capturing: Optional[list[torch.cuda.CUDAGraph]] = None
         self._pool = self._stream = None
@@ -135,13 +135,12 @@ class PiecewiseGraphs:
                                    out_cache_loc=self.out_cache_loc[:n])
 
     def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
-        self._backend, self.ctx.attn_backend = self.ctx.attn_backend, _Cut(self)
-        real = self._backend
+        self.ctx.attn_backend = _Cut(self)
         try:
             self.ctx.static_shapes = True  # the layers keep fixed shapes and make no host synchronisation
             return self.model.hidden_states(fb, self.ctx)
         finally:
-            self.ctx.attn_backend = real
+            self.ctx.attn_backend = self._backend
 
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
@@ -190,7 +189,7 @@ class PiecewiseGraphs:
             if n > t:
                 buf[t:n].zero_()
         self.ctx.begin_forward(fb)  # the real backend's planning for the real batch
-        self._fb, self._tokens, self._backend = fb, t, self.ctx.attn_backend
+        self._fb, self._tokens = fb, t
         try:
             if n in self.chains:
                 chain = self.chains[n]

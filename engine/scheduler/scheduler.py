@@ -101,7 +101,6 @@ class Launch:
     prompt_lp: list[tuple[Request, torch.Tensor, bool]] = field(default_factory=list)
     kind: str = "decode"  # step_times.KINDS
     launched: float = 0.0  # time.perf_counter() when scheduling it began
-    prompt_tokens: int = 0  # prompt tokens computed in this step (extend steps)
     tokens: int = 0  # every token of this step (extend steps: prompt tokens and mixed decode rows)
     done: Optional[torch.cuda.Event] = None  # CUDA: recorded after a step that samples nothing
 
@@ -124,7 +123,7 @@ class Scheduler:
         self.outputs = outputs
         self.limits = PromptLimits(runner.max_model_len, runner.config.vocab_size, runner.kv_pool.size)
         self.max_running = runner.max_running_requests  # the request table is sized by the runner
-        self.max_prefill_tokens = args.max_prefill_tokens
+        self.step_budget = args.step_budget()  # most tokens one prefill step computes
         chunk = args.chunked_prefill_size
         self.chunked_prefill_size = chunk if chunk is not None and chunk > 0 else None
         self.schedule_policy = args.schedule_policy
@@ -282,7 +281,7 @@ class Scheduler:
             mixed = self._can_mix(decodable)
             if mixed or not (self._last_was_extend and decodable):
                 riding = len(decodable) if mixed else 0
-                budget = self._step_budget() - riding
+                budget = self.step_budget - riding
                 if self.chunked_prefill_size is not None:  # a cap on prompt tokens while streams wait
                     budget = self._fill_bucket(self.prefill_budget.tokens(budget, len(decodable), mixed), riding)
                 chunks = self._build_extend(len(decodable), budget)
@@ -307,7 +306,7 @@ class Scheduler:
         Not with speculative decoding (its steps keep draft state that a plain decode would not advance),
         nor in the step after a failed mixed step (the decodes then run alone)."""
         ok, self._mix_after_failure = self._mix_after_failure, True
-        return bool(ok and self.mixed and self.spec is None and decodable and self._step_budget() > len(decodable)
+        return bool(ok and self.mixed and self.spec is None and decodable and self.step_budget > len(decodable)
                     and self.mem.make_room(len(decodable)))
 
     def _fill_bucket(self, budget: int, riding: int) -> int:
@@ -319,11 +318,6 @@ class Scheduler:
             return budget  # past the largest bucket the step runs eagerly, at any size
         i = bisect.bisect_right(buckets, budget + riding) - 1
         return buckets[i] - riding if i >= 0 and buckets[i] > riding else budget
-
-    def _step_budget(self) -> int:
-        if self.chunked_prefill_size is None:
-            return self.max_prefill_tokens
-        return min(self.max_prefill_tokens, self.chunked_prefill_size)
 
     def _build_extend(self, decoding: int, budget: int) -> list[_Chunk]:
         """This step's prefill work within `budget` tokens: the next chunk of the prompt in progress, then new
@@ -501,8 +495,7 @@ class Scheduler:
         if self.spec is not None:
             self.spec.after_extend(chunks, out)
         launch, last_rows, row = Launch(sampled=[], sample=None, kind="mixed" if decodes else "extend"), [], 0
-        launch.prompt_tokens = sum(c.end - c.start for c in chunks)
-        launch.tokens = launch.prompt_tokens + len(decodes)
+        launch.tokens = sum(c.end - c.start for c in chunks) + len(decodes)
         for c in chunks:
             req, n = c.req, c.end - c.start
             if req.wants_prompt_logprobs:
@@ -584,7 +577,7 @@ class Scheduler:
             return decodable
         self._sync()
         decodable = self._decodable()
-        self.spec.catch_up(decodable, self._step_budget())
+        self.spec.catch_up(decodable, self.step_budget)
         return decodable
 
     def _inputs_from_pending(self, reqs: list[Request], host_ids: torch.Tensor) -> torch.Tensor:

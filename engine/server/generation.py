@@ -78,13 +78,14 @@ class Sequence(CollectedOutput):
 def _runs(items: list[tuple[int, object]]) -> list[tuple[int, list]]:
     """Queued (index, item) pairs grouped into runs of one sequence's consecutive outputs, in order; an output
     with prompt log-probs, and anything not an output (a failure), is a run of its own."""
+    def plain(item) -> bool:
+        return isinstance(item, RequestOutput) and item.prompt_logprobs is None
+
     runs: list[tuple[int, list]] = []
     for index, item in items:
-        alone = not isinstance(item, RequestOutput) or item.prompt_logprobs is not None
-        last = runs[-1] if runs else None
-        if last is not None and last[0] == index and not alone and isinstance(last[1][-1], RequestOutput) \
-                and not last[1][-1].finished and last[1][-1].prompt_logprobs is None:
-            last[1].append(item)
+        prev = runs[-1][1][-1] if runs and runs[-1][0] == index else None
+        if plain(item) and plain(prev) and not prev.finished:
+            runs[-1][1].append(item)
         else:
             runs.append((index, [item]))
     return runs

@@ -120,7 +120,7 @@ def test_piecewise_extend_graphs_match_eager_extend(model):
     flags = dict(model=model, dtype="bfloat16", cuda_graph_bs="1,2,4,8", chunked_prefill_size=48)
     eager, lp_e, _ = _greedy(piecewise_cuda_graph_max_tokens=0, **flags)
     pieces, lp_p, eng = _greedy(**flags)
-    assert eng.runner.piecewise is not None and eng.runner.piecewise.sizes == [16, 32, 48]
+    assert eng.runner.piecewise is not None and eng.runner.piecewise.sizes == (16, 32, 48)
     assert len(eng.runner.piecewise.layers) == eng.config.num_hidden_layers
     assert eng.scheduler.stats()["mixed_steps"] > 0
     worst = max(abs(x - y) for a, b in zip(lp_p, lp_e) for x, y in zip(a, b))
