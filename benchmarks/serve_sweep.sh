@@ -23,7 +23,7 @@ start=$(date +%s.%N)
 (cd "$TREE" && exec python3 -m dsctl serve --model "$MODEL" --load-format dummy "${layers[@]}" --port "$PORT" \
     --max-model-len 4096 "${layout_flags[@]}" $EXTRA) > "$OUT/$TAG-serve.log" 2>&1 &
 pid=$!
-for _ in $(seq 300); do
+for _ in $(seq $(( ${HEALTH_WAIT_S:-300} * 2 ))); do  # a cold start at full depth takes minutes
     curl -sf "127.0.0.1:$PORT/health" >/dev/null && break
     kill -0 $pid 2>/dev/null || break
     sleep 0.5
@@ -35,6 +35,7 @@ kv() { curl -sf "127.0.0.1:$PORT/metrics" | awk -v m="$1" '$1 == m {print $2}'; 
 for c in $CONCS; do
     n=$(( c < 8 ? 8 : (c < 128 ? 2 * c : c) ))
     s0=$(cpu_s $pid)
+    curl -sf "127.0.0.1:$PORT/metrics" > "$OUT/$TAG-c$c.m0"
     { time -p python3 -m dsctl bench serving --base-url "http://127.0.0.1:$PORT" --num-prompts "$n" \
         --max-concurrency "$c" --random-input-len "$IN" --random-output-len "$OUTLEN" \
         --result-file "$OUT/$TAG.jsonl" > "$OUT/$TAG-c$c.txt" 2>&1; } 2> "$OUT/$TAG-c$c.time"
@@ -44,6 +45,9 @@ for c in $CONCS; do
     # may bunch up: an ITL median near 0 says so)
     awk -v s0="$s0" -v s1="$(cpu_s $pid)" '{t[$1] = $2} END {printf "client cpu/wall %.2f, server cpu/wall %.2f\n", (t["user"] + t["sys"]) / t["real"], (s1 - s0) / t["real"]}' "$OUT/$TAG-c$c.time"
     sleep 1
+    curl -sf "127.0.0.1:$PORT/metrics" > "$OUT/$TAG-c$c.m1"
+    # the engine's steps over this level, by kind: how many ran longer than a stream should wait
+    python3 benchmarks/step_histogram.py "$OUT/$TAG-c$c.m0" "$OUT/$TAG-c$c.m1"
     alive=yes; kill -0 $pid 2>/dev/null || alive=NO
     echo "$TAG c=$c n=$n bench_rc=$rc engine_alive=$alive kv_free=$(kv dsctl_kv_cache_free_tokens)+cached=$(kv dsctl_prefix_cache_tokens)/$(kv dsctl_kv_cache_total_tokens) running=$(kv dsctl_num_requests_running) retracted=$(kv dsctl_retracted_requests_total)"
     [ $alive = yes ] || { tail -40 "$OUT/$TAG-serve.log"; break; }
@@ -52,6 +56,8 @@ t_stop=$(date +%s.%N); kill -TERM $pid; wait $pid; rc=$?
 echo "$TAG server exit $rc after $(python3 -c "import time; print(f'{time.time() - $t_stop:.1f}')") s"
 grep -q "did not exit within" "$OUT/$TAG-serve.log" && echo "$TAG: engine ranks outlived the shutdown request (killed)"
 grep -E "start-up|startup|phase|weights|KV|graph" "$OUT/$TAG-serve.log" | head -12
+echo "$TAG: Triton compiles while serving: $(grep -c "compiled .* while serving" "$OUT/$TAG-serve.log")"
+grep "compiled .* while serving" "$OUT/$TAG-serve.log" | head -5
 MAXRUN=${MAXRUN:-256}  # the server's --max-running-requests (its default; per DP group)
 python3 - "$OUT/$TAG.jsonl" "$TAG" "$MODEL" "$LAYERS" "$bw" "$MAXRUN" "$LAYOUT" <<'PY'
 import json, math, sys

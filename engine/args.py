@@ -180,6 +180,12 @@ class SchedulerArgs:
         "the measured step times (0, the default: 3x the recent decode step; -1: no cap, only "
         "--chunked-prefill-size). Needs chunking.",
     )
+    prefill_burst: bool = flag(
+        True, "When more waiting requests could start now than are decoding (a burst of arrivals), prefill them "
+        "at the full step budget back to back before the running requests' next token, instead of capped by "
+        "--itl-target-ms: a running stream then waits once for the burst, not once per capped step "
+        "(--no-prefill-burst: the cap holds in bursts too).",
+    )
     min_prefill_tokens: int = flag(
         512, "The smallest prefill step the --itl-target-ms cap allows, so prompts progress under any decode "
         "load.",

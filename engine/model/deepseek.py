@@ -17,6 +17,7 @@ default: the torch reference of each op) and give it to every module they build.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Optional
 
@@ -94,6 +95,23 @@ class DeepseekForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.lm_head = nn.Parameter(torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
+
+    @contextmanager
+    def representative_layers(self):
+        """Within it, a forward runs only the first dense and the first MoE decoder layer (each on its own KV
+        cache layer): for start-up passes whose outcome depends on the layers' shapes, not on the depth (which
+        Triton kernels an extend launches), so that they take two layers' time at 60 layers."""
+        every, kinds = self.layers, set()
+        firsts = []
+        for layer in every:
+            if layer.is_moe not in kinds:
+                kinds.add(layer.is_moe)
+                firsts.append(layer)
+        self.layers = nn.ModuleList(firsts)
+        try:
+            yield
+        finally:
+            self.layers = every
 
     def hidden_states(self, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """Final pre-norm hidden states [T, hidden] of every token in the batch."""

@@ -110,8 +110,9 @@ def _raise_recompile_limits() -> None:
 
 def prefill_token_counts(cap: int) -> list[int]:
     """Prefill token counts (at most `cap`) that cover the tuned configs' batch-size keys and Triton's
-    integer specialisations (multiple of 16 or not) of the kernels a prefill step launches."""
-    keys = [2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096]  # above 4096: 4096's
+    integer specialisations (multiple of 16 or not, and 1: a prompt sharing only its first token with a cached
+    one expands a 1-token prefix) of the kernels a prefill step launches."""
+    keys = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096]  # above 4096: 4096's
     return sorted({m for k in keys for m in (k, k + 1) if m <= cap} | {min(cap, 4097)})
 
 
@@ -374,11 +375,12 @@ class ModelRunner:
             self.forward_ctx.begin_forward(fb)
             self._forward_eager(fb)
 
-        counts = prefill_token_counts(cap)
+        buckets = {n for n in self._piecewise_sizes() if n <= cap}  # what the piecewise graphs' capture runs
+        counts = sorted(set(prefill_token_counts(cap)) | buckets)
         forwards = [lambda n=n: run(1, 0, n) for n in counts]
         forwards += [lambda n=n: run(1, n, n) for n in counts if 2 * n <= self.max_model_len]
         forwards += [lambda n=n: run(n, 1, 1) for n in counts if n <= self.max_running_requests]
-        with torch.inference_mode():
+        with torch.inference_mode(), self.model.representative_layers():  # the same kernels as every layer's
             kernels = record(forwards)
         torch.cuda.synchronize(self.device)
         return kernels

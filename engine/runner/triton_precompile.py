@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -255,6 +256,7 @@ class LateCompileLog:
     def __init__(self, warn_ms: float = 100.0):
         self.warn_ms, self.count, self.seconds = warn_ms, 0, 0.0
         self._started: dict[int, float] = {}
+        self._site = ""  # the engine code that launched the kernel being compiled
 
     def install(self) -> None:
         knobs.runtime.jit_cache_hook = self._before
@@ -262,6 +264,7 @@ class LateCompileLog:
 
     def _before(self, *, fn, **_ignored) -> bool:
         self._started[id(fn.jit_function)] = time.perf_counter()
+        self._site = call_site()
         return False  # compile it as usual
 
     def _after(self, *, fn, compile=None, **_ignored) -> None:
@@ -271,8 +274,20 @@ class LateCompileLog:
         ms = (time.perf_counter() - started) * 1e3
         self.count, self.seconds = self.count + 1, self.seconds + ms / 1e3
         level = logging.WARNING if ms >= self.warn_ms else logging.DEBUG
-        log.log(level, "Triton compiled %s while serving: %.0f ms in the step that launched it (%s)",
-                fn.name, ms, describe_specialisation((compile or {}).get("specialization_data", "")))
+        log.log(level, "Triton compiled %s while serving: %.0f ms in the step that launched it, from %s (%s)",
+                fn.name, ms, self._site, describe_specialisation((compile or {}).get("specialization_data", "")))
+
+
+_OURS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), d) + os.sep
+              for d in ("engine", "kernels"))
+
+
+def call_site() -> str:
+    """The innermost frames of the engine's own code (engine/ and kernels/) on the stack, innermost last:
+    where a late compile came from ("engine/model/attention_triton.py:142 _absorbed > kernels/fp8.py:265 ...")."""
+    root = os.path.dirname(_OURS[0].rstrip(os.sep)) + os.sep
+    ours = [f for f in traceback.extract_stack() if f.filename.startswith(_OURS) and f.filename != __file__]
+    return " > ".join(f"{f.filename[len(root):]}:{f.lineno} {f.name}" for f in ours[-4:]) or "?"
 
 
 def describe_specialisation(data: str) -> str:

@@ -17,7 +17,11 @@ Admission (`_build_extend`) takes waiting requests in policy order (fcfs or
 lpm) while the request table, --max-running-requests, the per-step prefill
 budget (--max-prefill-tokens, and --chunked-prefill-size when chunking; while
 requests decode, the cap of prefill_budget.py that keeps a stream's inter-token gap
-within --itl-target-ms, by default 3x the recent decode step) and KV memory allow. A request reuses the
+within --itl-target-ms, by default 3x the recent decode step) and KV memory allow. In a burst
+of arrivals (more waiting requests could start now than are decoding: at start, after a wave
+of finishes) the cap gives way: pure prefill steps at the full budget run back to back, the
+decodes waiting, so a running stream waits once for the burst instead of once per capped
+step, and the burst's requests start together (`_burst`; --no-prefill-burst keeps the cap). A request reuses the
 longest cached prefix of its tokens (at most all but its last token) and
 reserves slots for the rest of its prompt at once; a prompt longer than the
 step budget is prefilled chunk by chunk across steps (one such request at a
@@ -62,6 +66,7 @@ checked by `prompt_check.check_prompt`, the same check the server runs.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 from collections import deque
@@ -131,12 +136,14 @@ class Scheduler:
             raise ValueError(f"unknown schedule policy {self.schedule_policy!r}")
         self.overlap = not args.disable_overlap_schedule
         self.mixed = args.enable_mixed_chunk
+        self.prefill_burst = args.prefill_burst
         self.mem = RequestMemory(runner.kv_pool, runner.req_to_token, radix_cache)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # requests that decode (their prompt is prefilled)
         self.prefilling: Optional[Request] = None  # a long prompt between two chunks
         self._pending: Optional[Launch] = None
         self._last_was_extend = False
+        self._bursting = False  # the last prefill decision was a burst step (`_burst`)
         self.reservation = Reservation(runner.max_model_len)
         self._launching: list[Request] = []  # the batch of the forward being launched (failed if it raises)
         self._riding: list[Request] = []  # the decodes of the mixed batch being launched (retried if it raises)
@@ -278,17 +285,18 @@ class Scheduler:
         self._launching = []
         decodable = self._decodable()
         if self.prefilling is not None or self.waiting:
-            mixed = self._can_mix(decodable)
-            if mixed or not (self._last_was_extend and decodable):
+            burst = self._burst(decodable)
+            mixed = not burst and self._can_mix(decodable)
+            if burst or mixed or not (self._last_was_extend and decodable):
                 riding = len(decodable) if mixed else 0
                 budget = self.step_budget - riding
-                if self.chunked_prefill_size is not None:  # a cap on prompt tokens while streams wait
+                if self.chunked_prefill_size is not None and not burst:  # a cap on prompt tokens while streams wait
                     budget = self._fill_bucket(self.prefill_budget.tokens(budget, len(decodable), mixed), riding)
                 chunks = self._build_extend(len(decodable), budget)
                 if chunks:
                     self._last_was_extend = True
                     return self._launch_extend(chunks, decodable if mixed else [])
-        self._last_was_extend = False
+        self._last_was_extend = self._bursting = False  # a burst ends with the first step that is not one of it
         if decodable:
             if self.spec is not None:
                 # a speculative step replaces the decode step; not while a grammar constrains a request
@@ -299,6 +307,34 @@ class Scheduler:
             if reqs:
                 return self._launch_decode(reqs)
         return None
+
+    def _burst(self, decodable: list[Request]) -> bool:
+        """Whether this step belongs to a burst (only with the prefill cap on and --prefill-burst): one starts
+        when more waiting requests could start now than are decoding, and goes on while any could, so every
+        request of the burst starts (a stream admitted early waits once, for all of it). Counted over the head
+        of the queue against the free request slots and the KV room left after what runs reserves (whole
+        prompts, no cache hit assumed). Reads scheduler state only: TP ranks that mirror one scheduler agree."""
+        n = len(decodable)
+        if not (self.prefill_burst and n and self.chunked_prefill_size is not None and self.prefill_budget.enabled):
+            self._bursting = False
+            return False
+        need = 1 if self._bursting else n + 1
+        self._bursting = self._startable(need, n) >= need
+        return self._bursting
+
+    def _startable(self, most: int, decoding: int) -> int:
+        """How many requests (at most `most`) could start now: the prompt in progress, then the head of the
+        queue while request slots and KV room (after the reservation of what runs) last."""
+        active = self._active()
+        count = int(self.prefilling is not None)
+        slots = self.max_running - len(active)
+        room = self.mem.headroom() - self.reservation.total(active) - decoding
+        for req in itertools.islice(self.waiting, max(0, min(most - count, slots))):
+            room -= len(req.token_ids) + self.reservation.future(req)
+            if room < 0:
+                break
+            count += 1
+        return count
 
     def _can_mix(self, decodable: list[Request]) -> bool:
         """Whether this extend step can carry the decodes: mixing is on, prefill budget is left after one

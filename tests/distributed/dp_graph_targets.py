@@ -35,6 +35,7 @@ def skewed_clock_engine(args, local_rank: int) -> Engine:
     engine = Engine(args, local_rank=local_rank)
     engine.runner.build_piecewise([16, 32, 64], capture=False)
     budget = engine.scheduler.prefill_budget = PrefillBudget(itl_target_ms=5.0, min_tokens=1)
+    engine.scheduler.prefill_burst = False  # the prompts arrive at once: capped steps, not one burst
     observe, scale = budget.observe, 50.0 if local_rank == 1 else 1.0
     budget.observe = lambda kind, tokens, seconds: observe(kind, tokens, scale * (1e-3 + 1e-5 * tokens))
     return engine

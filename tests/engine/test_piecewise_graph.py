@@ -12,7 +12,8 @@ from engine.engine import Engine
 from engine.runner.piecewise_graph import bucket_sizes
 from engine.sampling import SamplingParams
 
-FLAGS = dict(device="cpu", dtype="float32", chunked_prefill_size=24, enable_mixed_chunk=True)
+FLAGS = dict(device="cpu", dtype="float32", chunked_prefill_size=24, enable_mixed_chunk=True,
+             prefill_burst=False)  # all prompts arrive at once: without this, one burst and no mixed steps
 
 
 def _prompts(n=10, seed=3):

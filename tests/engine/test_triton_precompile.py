@@ -97,5 +97,26 @@ def test_late_compiles_are_logged_with_their_time(caplog, monkeypatch):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "_extend_fwd" in warnings[0] and "250 ms" in warnings[0]
     assert "divisible by 16: q_ptr; constants: BLOCK=64" in warnings[0]  # what tells this specialisation apart
+    assert "from ?" in warnings[0]  # no engine frame launched it here (the call site otherwise)
     assert any(r.levelno == logging.DEBUG and "_rms_norm" in r.getMessage() for r in caplog.records)
     assert late.count == 2 and abs(late.seconds - 0.26) < 1e-9
+
+
+def test_representative_layers_run_one_layer_of_each_kind():
+    """The recording pass of the prefill kernels runs the first dense and the first MoE layer only (the same
+    kernels as every layer, two layers' time at any depth): inside, a forward runs and equals one of a model
+    cut to those layers; after, every layer is back."""
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    eng = Engine(model="tiny", device="cpu", dtype="float32")
+    model = eng.runner.model
+    every = list(model.layers)
+    assert [layer.is_moe for layer in every] == [False, True, True, True]
+    params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    with model.representative_layers():
+        assert list(model.layers) == every[:2]
+        cut = eng.generate(input_ids=[[5, 6, 7, 8, 9]], sampling_params=params)[0].token_ids
+    assert list(model.layers) == every
+    short = Engine(model="tiny", device="cpu", dtype="float32", num_layers=2)
+    assert short.generate(input_ids=[[5, 6, 7, 8, 9]], sampling_params=params)[0].token_ids == cut

@@ -26,7 +26,7 @@ sys.path.insert(0, {root!r})
 import torch
 from triton import knobs
 misses = []
-knobs.compilation.listener = lambda *, cache_hit, **_: misses.append(cache_hit)
+knobs.compilation.listener = lambda *, cache_hit, metadata, **_: misses.append((cache_hit, metadata.get("name")))
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 eng = Engine(model="tiny", device="cuda", max_total_tokens=8192, cuda_graph_bs="1,2,4,8",
@@ -40,8 +40,10 @@ out = eng.generate(input_ids=prompts, sampling_params=SamplingParams(max_new_tok
 serving = misses[len(at_start):]
 bg = eng.runner.prefill_compiles
 prefill = None if bg is None else [len(bg.specs), bg.wait()]  # wait: the next start may use them
-print("RESULT " + json.dumps({{"misses_at_start": sum(not h for h in at_start), "hits_at_start": sum(at_start),
-                              "misses_serving": sum(not h for h in serving), "precompile": pre,
+print("RESULT " + json.dumps({{"misses_at_start": sum(not h for h, _ in at_start),
+                              "hits_at_start": sum(h for h, _ in at_start),
+                              "missed": sorted({{n for h, n in misses if not h}}),
+                              "misses_serving": sum(not h for h, _ in serving), "precompile": pre,
                               "prefill": prefill, "tokens": [o.token_ids for o in out]}}))
 """
 
@@ -62,7 +64,7 @@ def test_precompile_leaves_nothing_for_capture(tmp_path):
     kernels, missing, compiled = par["precompile"]
     assert kernels > 0 and missing == compiled == kernels, par["precompile"]
     assert base["misses_at_start"] > 0  # without precompile, the capture compiles in-process
-    assert par["misses_at_start"] == 0, par  # with it, every in-process compile loads the workers' binaries
+    assert par["misses_at_start"] == 0, par["missed"]  # with it, every in-process compile loads the workers' binaries
     assert par["hits_at_start"] >= kernels
     assert par["tokens"] == base["tokens"]
     assert par["prefill"][0] > 0 and par["prefill"][0] == par["prefill"][1], par["prefill"]  # all compiled

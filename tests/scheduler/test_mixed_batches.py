@@ -69,11 +69,11 @@ def reference(engine):
 def test_mixed_outputs_identical_to_unmixed(engine, reference, flags):
     prompts, ref = reference
     params = _params(len(prompts))
-    off = swap_scheduler(engine, enable_mixed_chunk=False, **flags)
+    off = swap_scheduler(engine, enable_mixed_chunk=False, prefill_burst=False, **flags)
     got_off = engine.generate(input_ids=prompts, sampling_params=params)
     assert off.stats()["mixed_steps"] == 0
     assert_settled(engine, off)
-    on = swap_scheduler(engine, enable_mixed_chunk=True, **flags)
+    on = swap_scheduler(engine, enable_mixed_chunk=True, prefill_burst=False, **flags)
     got_on = engine.generate(input_ids=prompts, sampling_params=params)
     stats = on.stats()
     assert stats["mixed_steps"] > 0
@@ -91,7 +91,7 @@ def test_arrivals_while_decoding_identical(engine):
     swap_scheduler(engine, **BASELINE)
     ref = engine.generate(input_ids=prompts, sampling_params=params)
     for overlap in (True, False):
-        sched = swap_scheduler(engine, chunked_prefill_size=12, disable_overlap_schedule=not overlap, enable_mixed_chunk=True)
+        sched = swap_scheduler(engine, chunked_prefill_size=12, disable_overlap_schedule=not overlap, enable_mixed_chunk=True, prefill_burst=False)
         reqs = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
         queue = list(reqs)
         while queue or sched.has_work():
@@ -171,7 +171,7 @@ def test_kv_exhaustion_retracts_and_matches_a_large_pool(engine, overlap):
     ref = engine.generate(input_ids=prompts, sampling_params=params)
     small = Engine(model="tiny", device="cpu", dtype="float32", max_total_tokens=160)
     assert sum(len(p) + 40 for p in prompts) > 2 * 160
-    sched = swap_scheduler(small, chunked_prefill_size=10, disable_overlap_schedule=not overlap, enable_mixed_chunk=True)
+    sched = swap_scheduler(small, chunked_prefill_size=10, disable_overlap_schedule=not overlap, enable_mixed_chunk=True, prefill_burst=False)
     got = small.generate(input_ids=prompts, sampling_params=params)
     stats = sched.stats()
     assert stats["retracted_requests"] > 0 and stats["mixed_steps"] > 0
@@ -185,7 +185,7 @@ def test_prompt_logprobs_in_mixed_steps(engine):
     sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=True, logprobs=True)
     swap_scheduler(engine, **BASELINE)
     ref = engine.generate(input_ids=prompts, sampling_params=sp)
-    sched = swap_scheduler(engine, chunked_prefill_size=9, max_prefill_tokens=9, enable_mixed_chunk=True)
+    sched = swap_scheduler(engine, chunked_prefill_size=9, max_prefill_tokens=9, enable_mixed_chunk=True, prefill_burst=False)
     got = engine.generate(input_ids=prompts, sampling_params=sp)
     assert sched.stats()["mixed_steps"] > 0
     _same(got, ref)
@@ -218,7 +218,7 @@ def test_a_failed_mixed_step_fails_its_prefill_and_retries_its_decodes(engine, o
         return bad
 
     swap_scheduler(engine)
-    sched = use_runner(engine, FailingRunner(engine.runner, when), enable_mixed_chunk=True,
+    sched = use_runner(engine, FailingRunner(engine.runner, when), enable_mixed_chunk=True, prefill_burst=False,
                        disable_overlap_schedule=not overlap)
     running = [engine.make_request(p, greedy) for p in prompts]
     for r in running:

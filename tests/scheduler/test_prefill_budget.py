@@ -102,7 +102,7 @@ def test_capped_steps_while_decoding(engine, monkeypatch, mixed):
     ref = engine.generate(input_ids=prompts, sampling_params=params)
 
     sched = swap_scheduler(engine, chunked_prefill_size=64, itl_target_ms=30.0, min_prefill_tokens=4,
-                           enable_mixed_chunk=mixed)
+                           enable_mixed_chunk=mixed, prefill_burst=False)
     budget = _taught(sched.prefill_budget, fixed=0.004, per_token=1e-3, decode=0.01)  # cap: 16 tokens
     monkeypatch.setattr(budget, "observe", lambda *a: None)  # keep the taught line (CPU timings vary)
     cap = budget.tokens(64, decoding=1)
@@ -126,3 +126,104 @@ def test_capped_steps_while_decoding(engine, monkeypatch, mixed):
     if not mixed:
         assert sched.stats()["decode_steps"] > 0
     assert_settled(engine, sched)
+
+
+def _burst_workload(n=10, length=40):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (length + i,), generator=g).tolist() for i in range(n)]
+    params = [SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True) for _ in prompts]
+    return prompts, params
+
+
+def _recorded_steps(sched, monkeypatch) -> list[tuple]:
+    """(kind, prompt tokens, requests decoding, decodes riding) of every launched step."""
+    steps = []
+    extend, decode = sched._launch_extend, sched._launch_decode
+
+    def on_extend(chunks, decodes):
+        steps.append(("extend", sum(c.end - c.start for c in chunks), len(sched._decodable()), len(decodes)))
+        return extend(chunks, decodes)
+
+    def on_decode(reqs):
+        steps.append(("decode", 0, len(reqs), 0))
+        return decode(reqs)
+    monkeypatch.setattr(sched, "_launch_extend", on_extend)
+    monkeypatch.setattr(sched, "_launch_decode", on_decode)
+    return steps
+
+
+def _capped_scheduler(engine, monkeypatch, **flags):
+    sched = swap_scheduler(engine, chunked_prefill_size=64, itl_target_ms=30.0, min_prefill_tokens=4,
+                           enable_mixed_chunk=True, **flags)
+    budget = _taught(sched.prefill_budget, fixed=0.004, per_token=1e-3, decode=0.01)  # mixed cap: 26 tokens
+    monkeypatch.setattr(budget, "observe", lambda *a: None)
+    return sched
+
+
+def test_burst_prefills_arrivals_back_to_back_at_the_full_budget(engine, monkeypatch):
+    """Ten prompts at once: after the first step (nothing decodes yet) more could start than decode, so the
+    cap gives way: pure prefill steps of the whole 64-token budget run back to back, no decode in between or
+    riding along, until every prompt has started; then decodes. Outputs equal the uncapped run's."""
+    prompts, params = _burst_workload()
+    swap_scheduler(engine, chunked_prefill_size=64, itl_target_ms=-1, enable_mixed_chunk=False)
+    ref = engine.generate(input_ids=prompts, sampling_params=params)
+
+    sched = _capped_scheduler(engine, monkeypatch)
+    steps = _recorded_steps(sched, monkeypatch)
+    got = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+    first_decode = next(i for i, s in enumerate(steps) if s[0] == "decode")
+    burst = steps[:first_decode]
+    assert sum(tokens for _, tokens, _, _ in burst) == sum(map(len, prompts)), steps  # every prompt started
+    assert all(riding == 0 for *_, riding in burst), steps
+    assert any(decoding and tokens == 64 for _, tokens, decoding, _ in burst), steps  # uncapped while decoding
+    assert all(kind == "decode" for kind, *_ in steps[first_decode:]), steps
+    assert_settled(engine, sched)
+
+
+def test_no_burst_when_arrivals_trickle(engine, monkeypatch):
+    """Prompts arriving one per step while more requests decode: no burst, so every prefill step taken while
+    requests decode stays within the mixed cap (26 tokens with its decode rows); --no-prefill-burst gives the
+    same steps for the same arrivals."""
+    prompts, params = _burst_workload(n=12, length=30)
+    runs = {}
+    for burst in (True, False):
+        sched = _capped_scheduler(engine, monkeypatch, prefill_burst=burst)
+        steps = _recorded_steps(sched, monkeypatch)
+        reqs = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        for r in reqs[:4]:
+            sched.add(r)
+        while sched.waiting or sched.prefilling is not None:
+            sched.step()
+        queue = reqs[4:]
+        while queue or sched.has_work():
+            if queue:
+                sched.add(queue.pop(0))
+            sched.step()
+        sched.flush()
+        capped = [s for s in steps[len([s for s in steps if not s[2]]):] if s[0] == "extend" and s[2] > 1]
+        assert capped and all(tokens <= max(4, 26 - riding) for _, tokens, _, riding in capped), steps
+        runs[burst] = steps
+        assert_settled(engine, sched)
+    assert runs[True] == runs[False]
+
+
+def test_burst_counts_only_what_the_kv_pool_can_start():
+    """With room in the pool for about two more prompts, four waiting and two decoding, no burst starts (a
+    burst would take only what fits, then stall the decodes for nothing); with a large pool it does."""
+    prompts, params = _burst_workload(n=6, length=100)
+    for total, want in ((420, False), (4096, True)):
+        eng = Engine(model="tiny", device="cpu", dtype="float32", max_total_tokens=total, chunked_prefill_size=64,
+                     itl_target_ms=30.0)
+        sched = eng.scheduler
+        reqs = [eng.make_request(p, sp) for p, sp in zip(prompts, params)]
+        for r in reqs[:2]:
+            sched.add(r)
+        while len(sched._decodable()) < 2:
+            sched.step()
+        for r in reqs[2:]:
+            sched.add(r)
+        assert sched._burst(sched._decodable()) is want
+        sched.abort_all()
+        sched.flush()
