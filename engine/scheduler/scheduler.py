@@ -93,6 +93,14 @@ from engine.scheduler.request import Request
 from engine.scheduler.step_times import StepTimes
 
 log = logging.getLogger(__name__)
+SLOW_DECODE_S, SLOW_DECODE_FACTOR = 0.1, 4.0  # a decode step over both is logged (a stall every stream sees)
+
+
+@dataclass
+class HostWork:
+    """One step's host work after its launch: processing the previous results, releasing finished requests."""
+    seconds: float = 0.0
+    released: int = 0
 
 MAX_CONSECUTIVE_FAILED_STEPS = 8
 
@@ -158,6 +166,7 @@ class Scheduler:
         self.step_times = StepTimes()
         self.prefill_budget = PrefillBudget(args.itl_target_ms, args.min_prefill_tokens)
         self._last_done = 0.0  # time.perf_counter() when the last step's results came in
+        self._host = HostWork()  # the last step's processing of results and releases (for the slow-step log)
 
     @property
     def cache(self):
@@ -230,6 +239,7 @@ class Scheduler:
             self._fail(self._launching, exc)
             launch = None
         self._launching, self._riding = [], []
+        t1, running = time.perf_counter(), len(self.running)
         if self.overlap:
             previous, self._pending = self._pending, launch
             if previous is not None:
@@ -237,6 +247,7 @@ class Scheduler:
         elif launch is not None:
             self._process(launch)
         self._release_finished()
+        self._host = HostWork(time.perf_counter() - t1, running - len(self.running))
 
     def take_outputs(self) -> list[RequestOutput]:
         """Per-request deltas since the last call (new tokens, prompt log-probs, finishes)."""
@@ -624,6 +635,12 @@ class Scheduler:
         """A step's results are in: its time from the later of its launch and the previous step's end."""
         now = time.perf_counter()
         seconds = now - max(launch.launched, self._last_done)
+        usual = self.prefill_budget.decode_s
+        if launch.kind == "decode" and usual and seconds > max(SLOW_DECODE_S, SLOW_DECODE_FACTOR * usual):
+            log.warning("a decode step of %d requests took %.0f ms (recent decode steps %.1f ms); the host's "
+                        "processing of the step before took %.0f ms and released %d finished requests",
+                        len(launch.sampled), 1e3 * seconds, 1e3 * usual, 1e3 * self._host.seconds,
+                        self._host.released)
         self.step_times.record(launch.kind, seconds)
         self.prefill_budget.observe(launch.kind, launch.tokens, seconds)
         self._last_done = now

@@ -70,3 +70,23 @@ def test_step_times_script_reads_the_window_between_two_scrapes():
     assert decode[1] == "100" and abs(float(decode[2]) - (99 * 8 + 40) / 100) < 1e-6
     assert " ".join(decode[3:]) == "<= 10 ms <= 10 ms"
     assert next(x for x in lines if x.startswith("extend")).split()[1] == "1"
+
+
+def test_a_slow_decode_step_is_logged_with_the_host_work_before_it(monkeypatch, caplog):
+    """A decode step far over the recent decode steps is a stall every running stream sees: it is logged with
+    the batch and the host's processing of the step before it (thresholds lowered here, so that every decode
+    step counts as slow)."""
+    import logging
+
+    import engine.scheduler.scheduler as scheduler_module
+
+    eng = Engine(model="tiny", **FLAGS)
+    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in (3, 8)]
+    with caplog.at_level(logging.WARNING, logger="engine.scheduler.scheduler"):
+        monkeypatch.setattr(scheduler_module, "SLOW_DECODE_S", 0.0)
+        eng.scheduler.prefill_budget.decode_s = 1e-9
+        monkeypatch.setattr(eng.scheduler.prefill_budget, "observe", lambda *a: None)
+        eng.generate(input_ids=[list(range(3, 12)), list(range(4, 20))], sampling_params=params)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and all(line.startswith("a decode step of ") for line in lines), lines
+    assert any("released 1 finished requests" in line for line in lines), lines  # the 3-token request's end
