@@ -182,9 +182,9 @@ class SchedulerArgs:
     )
     prefill_burst: bool = flag(
         True, "When more waiting requests could start now than are decoding (a burst of arrivals), prefill them "
-        "at the full step budget back to back before the running requests' next token, instead of capped by "
-        "--itl-target-ms: a running stream then waits once for the burst, not once per capped step "
-        "(--no-prefill-burst: the cap holds in bursts too).",
+        "at the full step budget back to back before the running requests' next token (at most 32 steps, then "
+        "as many steps for the decodes), instead of capped by --itl-target-ms: a running stream then waits once "
+        "for the burst, not once per capped step (--no-prefill-burst: the cap holds in bursts too).",
     )
     min_prefill_tokens: int = flag(
         512, "The smallest prefill step the --itl-target-ms cap allows, so prompts progress under any decode "

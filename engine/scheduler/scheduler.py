@@ -93,6 +93,7 @@ from engine.scheduler.request import Request
 from engine.scheduler.step_times import StepTimes
 
 log = logging.getLogger(__name__)
+BURST_MAX_STEPS = 32  # prefill steps in a row while requests wait to decode (`_burst`): 262k tokens at 8192 a step
 SLOW_DECODE_S, SLOW_DECODE_FACTOR = 0.1, 4.0  # a decode step over both is logged (a stall every stream sees)
 
 
@@ -152,6 +153,8 @@ class Scheduler:
         self._pending: Optional[Launch] = None
         self._last_was_extend = False
         self._bursting = False  # the last prefill decision was a burst step (`_burst`)
+        self._burst_steps = 0  # steps of the burst going on (the decodes' stall, in steps)
+        self._burst_rest = 0  # steps before another burst may start, after one cut at BURST_MAX_STEPS
         self.reservation = Reservation(runner.max_model_len)
         self._launching: list[Request] = []  # the batch of the forward being launched (failed if it raises)
         self._riding: list[Request] = []  # the decodes of the mixed batch being launched (retried if it raises)
@@ -294,6 +297,7 @@ class Scheduler:
 
     def _schedule_and_launch(self) -> Optional[Launch]:
         self._launching = []
+        self._burst_rest = max(0, self._burst_rest - 1)
         decodable = self._decodable()
         if self.prefilling is not None or self.waiting:
             burst = self._burst(decodable)
@@ -308,6 +312,7 @@ class Scheduler:
                     self._last_was_extend = True
                     return self._launch_extend(chunks, decodable if mixed else [])
         self._last_was_extend = self._bursting = False  # a burst ends with the first step that is not one of it
+        self._burst_steps = 0
         if decodable:
             if self.spec is not None:
                 # a speculative step replaces the decode step; not while a grammar constrains a request
@@ -322,15 +327,21 @@ class Scheduler:
     def _burst(self, decodable: list[Request]) -> bool:
         """Whether this step belongs to a burst (only with the prefill cap on and --prefill-burst): one starts
         when more waiting requests could start now than are decoding, and goes on while any could, so every
-        request of the burst starts (a stream admitted early waits once, for all of it). Counted over the head
+        request of the burst starts (a stream admitted early waits once, for all of it), for at most
+        BURST_MAX_STEPS steps; one cut there is followed by as many steps without a burst. Counted over the head
         of the queue against the free request slots and the KV room left after what runs reserves (whole
         prompts, no cache hit assumed). Reads scheduler state only: TP ranks that mirror one scheduler agree."""
         n = len(decodable)
         if not (self.prefill_burst and n and self.chunked_prefill_size is not None and self.prefill_budget.enabled):
-            self._bursting = False
+            self._bursting, self._burst_steps = False, 0
+            return False
+        if self._burst_steps >= BURST_MAX_STEPS:  # the decodes waited long enough: as many steps for them now
+            self._bursting, self._burst_steps, self._burst_rest = False, 0, BURST_MAX_STEPS
+        if self._burst_rest:
             return False
         need = 1 if self._bursting else n + 1
         self._bursting = self._startable(need, n) >= need
+        self._burst_steps = self._burst_steps + 1 if self._bursting else 0
         return self._bursting
 
     def _startable(self, most: int, decoding: int) -> int:

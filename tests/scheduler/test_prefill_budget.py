@@ -227,3 +227,25 @@ def test_burst_counts_only_what_the_kv_pool_can_start():
         assert sched._burst(sched._decodable()) is want
         sched.abort_all()
         sched.flush()
+
+
+def test_a_burst_stalls_the_decodes_for_at_most_its_step_limit(engine, monkeypatch):
+    """A burst longer than BURST_MAX_STEPS (2 here) is cut there: the decodes then get as many steps (riding in
+    capped mixed steps) before another burst may start, so they are never starved; same outputs."""
+    import engine.scheduler.scheduler as scheduler_module
+
+    prompts, params = _burst_workload(n=12, length=60)
+    swap_scheduler(engine, chunked_prefill_size=64, itl_target_ms=-1, enable_mixed_chunk=False)
+    ref = engine.generate(input_ids=prompts, sampling_params=params)
+
+    monkeypatch.setattr(scheduler_module, "BURST_MAX_STEPS", 2)
+    sched = _capped_scheduler(engine, monkeypatch)
+    steps = _recorded_steps(sched, monkeypatch)
+    got = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    stalls = "".join("s" if kind == "extend" and decoding and not riding else "." for kind, _, decoding, riding
+                     in steps)
+    assert "ss" in stalls and "sss" not in stalls, (stalls, steps)  # bursts of 2, never longer
+    for run in stalls.split("ss")[1:-1]:  # between two bursts: at least 2 steps in which the decodes advance
+        assert len(run) >= 2, (stalls, steps)
+    assert_settled(engine, sched)
