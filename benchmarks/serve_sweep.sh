@@ -47,7 +47,7 @@ for c in $CONCS; do
     sleep 1
     curl -sf "127.0.0.1:$PORT/metrics" > "$OUT/$TAG-c$c.m1"
     # the engine's steps over this level, by kind: how many ran longer than a stream should wait
-    python3 benchmarks/step_histogram.py "$OUT/$TAG-c$c.m0" "$OUT/$TAG-c$c.m1"
+    python3 benchmarks/step_times.py "$OUT/$TAG-c$c.m0" "$OUT/$TAG-c$c.m1"
     alive=yes; kill -0 $pid 2>/dev/null || alive=NO
     echo "$TAG c=$c n=$n bench_rc=$rc engine_alive=$alive kv_free=$(kv dsctl_kv_cache_free_tokens)+cached=$(kv dsctl_prefix_cache_tokens)/$(kv dsctl_kv_cache_total_tokens) running=$(kv dsctl_num_requests_running) retracted=$(kv dsctl_retracted_requests_total)"
     [ $alive = yes ] || { tail -40 "$OUT/$TAG-serve.log"; break; }

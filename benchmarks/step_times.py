@@ -2,8 +2,10 @@
 
     python3 benchmarks/step_times.py BEFORE.txt AFTER.txt
 
-Prints, per kind (decode, extend, mixed, spec): steps, mean ms, and the bucket bounds that hold the
-median and the 99th percentile (the histogram's resolution: engine/scheduler/step_times.py BUCKETS).
+Prints, per kind (decode, extend, mixed, spec): steps, mean ms, the bucket bounds that hold the
+median and the 99th percentile (the histogram's resolution: engine/scheduler/step_times.py BUCKETS), and
+how many steps took longer than 30, 50, 100, 200 and 500 ms (a stream's inter-token gap is the step that
+carries its token: steps over 4x the decode median are what an ITL p99 past 4x is made of).
 """
 
 from __future__ import annotations
@@ -43,8 +45,18 @@ def quantile_bound(buckets: list[tuple[str, float]], q: float) -> str:
     return "-"
 
 
+OVER_S = (0.03, 0.05, 0.1, 0.2, 0.5)  # bucket edges: steps longer than each are counted
+
+
+def over(window: list[tuple[str, float]], edge: float) -> float:
+    """Steps in the window longer than `edge` seconds (a bucket edge)."""
+    total = window[-1][1]
+    return total - next((c for le, c in window if le != "+Inf" and float(le) == edge), total)
+
+
 def table(before: dict, after: dict) -> list[str]:
-    lines = [f"{'kind':<7} {'steps':>6} {'mean ms':>8} {'p50':>12} {'p99':>12}"]
+    lines = [f"{'kind':<7} {'steps':>6} {'mean ms':>8} {'p50':>12} {'p99':>12} "
+             + " ".join(f"{'>' + format(e * 1e3, 'g') + 'ms':>7}" for e in OVER_S)]
     for kind in sorted(after):
         a, b = after[kind], before.get(kind, {"buckets": {}, "sum": 0.0, "count": 0.0})
         n = a["count"] - b["count"]
@@ -52,7 +64,8 @@ def table(before: dict, after: dict) -> list[str]:
             continue
         window = [(le, c - b["buckets"].get(le, 0.0)) for le, c in a["buckets"].items()]
         lines.append(f"{kind:<7} {n:>6.0f} {(a['sum'] - b['sum']) / n * 1e3:>8.2f} "
-                     f"{quantile_bound(window, 0.5):>12} {quantile_bound(window, 0.99):>12}")
+                     f"{quantile_bound(window, 0.5):>12} {quantile_bound(window, 0.99):>12} "
+                     + " ".join(f"{over(window, e):>7.0f}" for e in OVER_S))
     return lines
 
 

@@ -68,7 +68,8 @@ def test_step_times_script_reads_the_window_between_two_scrapes():
     lines = table(parse(before), parse(scrape()))
     decode = next(x for x in lines if x.startswith("decode")).split()
     assert decode[1] == "100" and abs(float(decode[2]) - (99 * 8 + 40) / 100) < 1e-6
-    assert " ".join(decode[3:]) == "<= 10 ms <= 10 ms"
+    assert " ".join(decode[3:9]) == "<= 10 ms <= 10 ms"
+    assert decode[9:] == ["1", "0", "0", "0", "0"]  # steps over 30, 50, 100, 200, 500 ms: the 40 ms one
     assert next(x for x in lines if x.startswith("extend")).split()[1] == "1"
 
 
