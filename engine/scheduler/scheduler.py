@@ -93,6 +93,8 @@ from engine.scheduler.request import Request
 from engine.scheduler.step_times import StepTimes
 
 log = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_FAILED_STEPS = 8
 BURST_MAX_STEPS = 32  # prefill steps in a row while requests wait to decode (`_burst`): 262k tokens at 8192 a step
 SLOW_DECODE_S, SLOW_DECODE_FACTOR = 0.1, 4.0  # a decode step over both is logged (a stall every stream sees)
 
@@ -102,8 +104,6 @@ class HostWork:
     """One step's host work after its launch: processing the previous results, releasing finished requests."""
     seconds: float = 0.0
     released: int = 0
-
-MAX_CONSECUTIVE_FAILED_STEPS = 8
 
 
 @dataclass
@@ -152,8 +152,7 @@ class Scheduler:
         self.prefilling: Optional[Request] = None  # a long prompt between two chunks
         self._pending: Optional[Launch] = None
         self._last_was_extend = False
-        self._bursting = False  # the last prefill decision was a burst step (`_burst`)
-        self._burst_steps = 0  # steps of the burst going on (the decodes' stall, in steps)
+        self._burst_steps = 0  # steps of the burst going on (the decodes' stall, in steps; 0: none)
         self._burst_rest = 0  # steps before another burst may start, after one cut at BURST_MAX_STEPS
         self.reservation = Reservation(runner.max_model_len)
         self._launching: list[Request] = []  # the batch of the forward being launched (failed if it raises)
@@ -311,8 +310,7 @@ class Scheduler:
                 if chunks:
                     self._last_was_extend = True
                     return self._launch_extend(chunks, decodable if mixed else [])
-        self._last_was_extend = self._bursting = False  # a burst ends with the first step that is not one of it
-        self._burst_steps = 0
+        self._last_was_extend, self._burst_steps = False, 0  # a burst ends with the first step not one of it
         if decodable:
             if self.spec is not None:
                 # a speculative step replaces the decode step; not while a grammar constrains a request
@@ -333,16 +331,15 @@ class Scheduler:
         prompts, no cache hit assumed). Reads scheduler state only: TP ranks that mirror one scheduler agree."""
         n = len(decodable)
         if not (self.prefill_burst and n and self.chunked_prefill_size is not None and self.prefill_budget.enabled):
-            self._bursting, self._burst_steps = False, 0
+            self._burst_steps = 0
             return False
         if self._burst_steps >= BURST_MAX_STEPS:  # the decodes waited long enough: as many steps for them now
-            self._bursting, self._burst_steps, self._burst_rest = False, 0, BURST_MAX_STEPS
+            self._burst_steps, self._burst_rest = 0, BURST_MAX_STEPS
         if self._burst_rest:
             return False
-        need = 1 if self._bursting else n + 1
-        self._bursting = self._startable(need, n) >= need
-        self._burst_steps = self._burst_steps + 1 if self._bursting else 0
-        return self._bursting
+        need = 1 if self._burst_steps else n + 1
+        self._burst_steps = self._burst_steps + 1 if self._startable(need, n) >= need else 0
+        return self._burst_steps > 0
 
     def _startable(self, most: int, decoding: int) -> int:
         """How many requests (at most `most`) could start now: the prompt in progress, then the head of the
