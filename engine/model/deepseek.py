@@ -101,13 +101,10 @@ class DeepseekForCausalLM(nn.Module):
         """Within it, a forward runs only the first dense and the first MoE decoder layer (each on its own KV
         cache layer): for start-up passes whose outcome depends on the layers' shapes, not on the depth (which
         Triton kernels an extend launches), so that they take two layers' time at 60 layers."""
-        every, kinds = self.layers, set()
-        firsts = []
+        every, firsts = self.layers, {}
         for layer in every:
-            if layer.is_moe not in kinds:
-                kinds.add(layer.is_moe)
-                firsts.append(layer)
-        self.layers = nn.ModuleList(firsts)
+            firsts.setdefault(layer.is_moe, layer)  # in depth order: the first of each kind
+        self.layers = nn.ModuleList(firsts.values())
         try:
             yield
         finally:

@@ -278,16 +278,15 @@ class LateCompileLog:
                 fn.name, ms, self._site, describe_specialisation((compile or {}).get("specialization_data", "")))
 
 
-_OURS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), d) + os.sep
-              for d in ("engine", "kernels"))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # the checkout
+_OURS = tuple(_ROOT + d + os.sep for d in ("engine", "kernels"))
 
 
 def call_site() -> str:
     """The innermost frames of the engine's own code (engine/ and kernels/) on the stack, innermost last:
     where a late compile came from ("engine/model/attention_triton.py:142 _absorbed > kernels/fp8.py:265 ...")."""
-    root = os.path.dirname(_OURS[0].rstrip(os.sep)) + os.sep
     ours = [f for f in traceback.extract_stack() if f.filename.startswith(_OURS) and f.filename != __file__]
-    return " > ".join(f"{f.filename[len(root):]}:{f.lineno} {f.name}" for f in ours[-4:]) or "?"
+    return " > ".join(f"{f.filename[len(_ROOT):]}:{f.lineno} {f.name}" for f in ours[-4:]) or "?"
 
 
 def describe_specialisation(data: str) -> str:
