@@ -11,6 +11,7 @@ import torch
 from engine.engine import Engine
 from engine.runner.piecewise_graph import bucket_sizes
 from engine.sampling import SamplingParams
+from tests.same_outputs import logprob_gap
 
 FLAGS = dict(device="cpu", dtype="float32", chunked_prefill_size=24, enable_mixed_chunk=True,
              prefill_burst=False)  # all prompts arrive at once: without this, one burst and no mixed steps
@@ -49,9 +50,7 @@ def test_piecewise_extend_identical(monkeypatch, model):
               for i in range(len(ps))]
     ref = ref_engine.generate(input_ids=ps, sampling_params=params)
     got = eng.generate(input_ids=ps, sampling_params=params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    worst = max(abs(a - b) for o, r in zip(got, ref) for a, b in zip(o.logprobs, r.logprobs))
-    assert worst < 1e-4
+    assert logprob_gap(got, ref) < 1e-4
     # full steps fill the 16-token bucket exactly (the scheduler sizes them so); the last chunks pad
     assert 16 in calls and any(n < 16 for n in calls), calls
     assert eng.scheduler.stats()["mixed_steps"] > 0

@@ -6,6 +6,7 @@ decode step's draft extend has several positions per request)."""
 
 from engine.engine import Engine
 from engine.sampling import SamplingParams
+from tests.same_outputs import logprob_gap
 from tests.speculative.helpers import FLAGS, SPEC, check_pool, prompts
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 64]  # batches of more rows than 64 run eagerly with their own tree table
@@ -33,9 +34,7 @@ def test_padded_graph_spec_steps_identical(monkeypatch):
               for i in range(len(ps))]
     ref = off.generate(input_ids=ps, sampling_params=params)
     got = on.generate(input_ids=ps, sampling_params=params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    worst = max(abs(a - b) for o, r in zip(got, ref) for a, b in zip(o.logprobs, r.logprobs))
-    assert worst < 1e-4
+    assert logprob_gap(got, ref) < 1e-4
     assert target[0] > 0 and mtp[0] > 0, "the spec steps never went through the graph runners"
     assert on.scheduler.spec.stats.mean > 1.5, "tiny-py's drafts should be accepted"
     check_pool(on)

@@ -8,6 +8,7 @@ import torch
 
 from engine.engine import Engine
 from engine.sampling import SamplingParams
+from tests.same_outputs import logprob_gap
 from tests.speculative.helpers import FLAGS, SPEC, check_pool, oracle_draft, prompts
 
 MAX_NEW = 6
@@ -77,9 +78,7 @@ def test_oracle_draft_long_runs_identical(engines, monkeypatch):
     with oracle_draft(monkeypatch, on, refs) as calls:
         got = on.generate(input_ids=ps, sampling_params=_greedy(n, logprobs=True))
     assert calls[0] > 0
-    assert _ids(got) == _ids(ref)
-    worst = max(abs(a - b) for o, r in zip(got, ref) for a, b in zip(o.logprobs, r.logprobs))
-    assert worst < 1e-4
+    assert logprob_gap(got, ref) < 1e-4
     hist = [a - b for a, b in zip(on.scheduler.spec.stats.hist, before)]
     assert hist[-1] > 0 and hist[1] > 0, hist  # full runs and rejections at depth 2 both happened
     check_pool(on)
