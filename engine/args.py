@@ -251,6 +251,12 @@ class KernelArgs:
         "auto", "MoE router top-k: 'triton' fused gate (CUDA default) or 'torch' (reference; CPU default).",
         choices=("auto", "triton", "torch"),
     )
+    rope_cache_backend: str = flag(
+        "auto", "MLA's latent RMSNorm, the rotary embedding of the query's and key's rope parts and the KV-cache "
+        "write: 'triton' in one kernel (CUDA default) or 'torch' (op by op, about thirty launches per layer; the "
+        "reference, CPU default).",
+        choices=("auto", "triton", "torch"),
+    )
     all_reduce_backend: str = flag(
         "auto", "Tensor-parallel all-reduce: 'torch' (torch.distributed: NCCL on CUDA, gloo on CPU; the default) "
         "or 'custom' (GPUs of one node with P2P: one-shot / two-shot kernels over peer memory for small messages, "
@@ -300,7 +306,8 @@ class KernelArgs:
         """The implementation asked for per op ('auto' or a name), keyed as engine/model/kernel_registry.py's ops."""
         return {"attention": self.attention, "moe": self.moe_backend, "gemm": self.gemm_backend,
                 "rms_norm": self.rms_norm_backend, "moe_gate": self.moe_gate_backend,
-                "norm_quant": self.norm_quant_backend, "all_reduce": self.all_reduce_backend}
+                "norm_quant": self.norm_quant_backend, "all_reduce": self.all_reduce_backend,
+                "rope_cache": self.rope_cache_backend}
 
     def config_dir(self) -> Optional[str]:
         """--kernel-config-dir, else $DSCTL_KERNEL_CONFIG_DIR, else None (the shipped configs only)."""

@@ -14,7 +14,8 @@ Backends implement `begin_forward` (per-forward planning), `extend` and `decode`
 checked against (the protocol, `AttentionBackend`, is in engine/model/context.py). A layer finds
 the backend, the KV pool, the request table and the rope table in the `ForwardContext` passed down
 the forward; backends are chosen by name in engine/model/kernel_registry.py, and the layer's
-projections and norms run the `Kernels` it is given at construction (engine/model/kernel_set.py).
+projections and norms run the `Kernels` it is given at construction (engine/model/kernel_set.py); the latent's
+norm, the rope of q_pe and k_pe and the cache write run as one kernel where `Kernels.rope_cache` is set.
 
 Tensor parallelism splits MLA by heads: q_a / kv_a (and their norms) are replicated,
 q_b (or q_proj), kv_b and the absorbed w_kc / w_vc hold this rank's `H / tp` heads, o_proj
@@ -132,20 +133,35 @@ class MLA(nn.Module):
         kv = self.kv_b_proj(c_kv).view(-1, self.num_heads, self.nope + self.v_dim)
         return kv[..., : self.nope], kv[..., self.nope:]
 
+    def rope_and_cache(self, q: torch.Tensor, latent: torch.Tensor, fb: ForwardBatch,
+                       ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, qk], latent [T, kv_lora + rope] -> (rotated q_pe, normalised c_kv, rotated k_pe), each token's
+        latent cache row [c_kv, k_pe] written (not with --disable-mla): in one kernel (`kernels.rope_cache`), else
+        op by op."""
+        rotary, norm = ctx.rotary, self.kv_a_layernorm
+        if self.kernels.rope_cache is not None:
+            cache = None if ctx.expanded_kv else ctx.kv_pool.buffer[self.layer_id]
+            fused = self.kernels.rope_cache(q, latent, norm.weight, norm.eps, rotary.cos, rotary.sin, fb.positions,
+                                            self.kv_lora_rank, cache, fb.out_cache_loc, ctx.kv_pool.scale)
+            if fused is not None:
+                return fused
+        c_kv = norm(latent[:, : self.kv_lora_rank])
+        q_pe = rotary.apply(q[..., self.nope:], fb.positions)
+        k_pe = rotary.apply(latent[:, self.kv_lora_rank:], fb.positions)
+        if not ctx.expanded_kv:
+            ctx.kv_pool.write(self.layer_id, fb.out_cache_loc, torch.cat((c_kv, k_pe), dim=-1))
+        return q_pe, c_kv, k_pe
+
     def forward(self, x: Activation, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """x: the normalised layer input [T, hidden] (or its FP8Input: RMSNorm.for_linear(input_linears()))."""
         t = x.shape[0]
         q, latent = self.project(x)
         q = q.view(t, self.num_heads, self.nope + self.rope_dim)
-        q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
-        c_kv = self.kv_a_layernorm(latent[:, : self.kv_lora_rank])
-        k_pe = latent[:, self.kv_lora_rank:]
-        q_pe = ctx.rotary.apply(q_pe, fb.positions)
-        k_pe = ctx.rotary.apply(k_pe, fb.positions)
+        q_nope = q[..., : self.nope]
+        q_pe, c_kv, k_pe = self.rope_and_cache(q, latent, fb, ctx)
         if ctx.expanded_kv:  # --disable-mla: per-head K/V in the cache (engine/model/attention_expanded.py)
             out = ctx.attn_backend.expand_and_attend(self, q_nope, q_pe, c_kv, k_pe, fb, ctx)
         else:
-            ctx.kv_pool.write(self.layer_id, fb.out_cache_loc, torch.cat((c_kv, k_pe), dim=-1))
             if fb.mode.is_decode:
                 out = ctx.attn_backend.decode(self, q_nope, q_pe, fb, ctx)
             else:

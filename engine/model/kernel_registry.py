@@ -14,6 +14,8 @@ check and a factory, and what 'auto' means for it.
                                     quantisation: triton (kernels/rms_norm_quant.py), torch (its reference),
                                     off (norm, then the GEMM quantises)
   moe_gate    --moe-gate-backend    triton (kernels/moe_gate.py), torch
+  rope_cache  --rope-cache-backend  MLA's latent RMSNorm, the rope of q_pe and k_pe and the KV-cache write:
+                                    triton (one kernel, kernels/mla_rope_cache.py), torch (op by op)
   all_reduce  --all-reduce-backend  torch (torch.distributed: NCCL on CUDA, gloo on CPU), custom (peer-memory
                                     one-shot / two-shot kernels for small messages within a node, NCCL
                                     otherwise: engine/distributed/custom_all_reduce.py)
@@ -44,7 +46,7 @@ from engine.distributed.groups import TPGroup
 from engine.distributed.token_exchange import torch_all_to_all
 from engine.errors import UsageError
 from engine.memory.pools import KVPool, ReqToTokenPool
-from engine.model import fp8_ops, gate_ops, norm_ops
+from engine.model import fp8_ops, gate_ops, norm_ops, rope_cache_ops
 from engine.model.attention import TorchAttentionBackend
 from engine.model.attention_expanded import TorchExpandedAttention, TritonExpandedAttention
 from engine.model.attention_flashinfer import FlashInferAttentionBackend, check_supported
@@ -262,12 +264,16 @@ ALL_REDUCE.register("torch", no_check, returns(comm.all_reduce), label=process_g
 ALL_REDUCE.register("custom", no_check, lambda setup: AllReduceOp.open(setup.group, setup.device),
                     label=lambda setup: "custom+nccl" if setup.cuda else "gloo (custom needs CUDA)")
 
+ROPE_CACHE = OpRegistry("rope_cache")
+ROPE_CACHE.register("torch", no_check, returns(None))
+ROPE_CACHE.register("triton", check_triton("--rope-cache-backend"), returns(rope_cache_ops.triton_rope_cache))
+
 MOE_A2A = OpRegistry("moe_a2a")
 MOE_A2A.register("none", no_check, returns(None))
 MOE_A2A.register("torch", check_token_exchange, returns(torch_all_to_all), label=process_group_backend)
 
 REGISTRIES: dict[str, OpRegistry] = {r.op: r for r in (ATTENTION, MOE, GEMM, RMS_NORM, MOE_GATE, ALL_REDUCE,
-                                                        NORM_QUANT, MOE_A2A)}
+                                                        NORM_QUANT, ROPE_CACHE, MOE_A2A)}
 
 
 @dataclass(frozen=True)
@@ -281,6 +287,7 @@ class KernelChoice:
     moe_gate: str = AUTO
     all_reduce: str = AUTO
     norm_quant: str = AUTO
+    rope_cache: str = AUTO
     moe_a2a: str = AUTO
 
     def names(self) -> dict[str, str]:
@@ -304,7 +311,8 @@ def build_kernels(choice: KernelChoice, setup: KernelSetup) -> Kernels:
                    all_reduce=ALL_REDUCE.build(choice.all_reduce, setup),
                    norm_quant=NORM_QUANT.build(choice.norm_quant, setup),
                    gemm_q=GEMM_Q[choice.gemm] if choice.norm_quant != "off" else None,
-                   moe_a2a=MOE_A2A.build(choice.moe_a2a, setup))
+                   moe_a2a=MOE_A2A.build(choice.moe_a2a, setup),
+                   rope_cache=ROPE_CACHE.build(choice.rope_cache, setup))
 
 
 def auto_kernels(setup: KernelSetup) -> Kernels:

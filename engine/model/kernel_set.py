@@ -5,7 +5,8 @@ The kernel registry (engine/model/kernel_registry.py) resolves one name per op a
 builder hands that object to every module at construction (DeepseekForCausalLM -> layers), and each
 module calls its field: Linear `gemm` (block-FP8 weights only), RMSNorm `rms_norm`, MoE `moe_gate`,
 and every layer that reduces over its TP group `all_reduce`; MoE layers of a group that exchanges tokens
-(`TPGroup.exchanges_tokens`) send them to their experts' ranks with `moe_a2a`. `norm_quant` (None: off) fuses an RMSNorm with
+(`TPGroup.exchanges_tokens`) send them to their experts' ranks with `moe_a2a`; MLA runs its latent norm, rope and
+KV-cache write with `rope_cache` (None: op by op in torch). `norm_quant` (None: off) fuses an RMSNorm with
 the FP8 quantisation of the block-FP8 GEMM it feeds; Linear then runs `gemm_q` on the quantised pair.
 Nothing is looked up per call and no module branches on the device.
 
@@ -35,6 +36,9 @@ NormQuant = Callable[[torch.Tensor, torch.Tensor, float, int], Optional[tuple[to
 # q, q_scale, w, w_scale, block, out dtype -> y: the block-FP8 linear of an activation quantised already
 GemmQ = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int], torch.dtype],
                  torch.Tensor]
+# q, latent, norm weight, eps, cos, sin, positions, kv_lora_rank, cache (None: no write), slots, kv scale
+# -> (q_pe, c_kv, k_pe), or None where it does not run (then the torch form)
+RopeCache = Callable[..., Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class Kernels:
     norm_quant: Optional[NormQuant] = None  # None: an RMSNorm before a block-FP8 GEMM runs apart from it
     gemm_q: Optional[GemmQ] = None  # the `gemm` of a quantised activation (set with norm_quant)
     moe_a2a: Optional[TokenExchange] = None  # EP all-to-all of MoE tokens (None: gather + all-reduce)
+    rope_cache: Optional[RopeCache] = None  # MLA's latent norm, rope and cache write in one (None: op by op)
 
 
 REFERENCE = Kernels(gemm=fp8_ops.torch_linear, rms_norm=norm_ops.torch_rms_norm, moe_gate=gate_ops.torch_gate,

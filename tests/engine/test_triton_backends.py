@@ -1,4 +1,5 @@
-"""The model with the Triton MLA / fused-MoE / FP8 kernels (run by Triton's CPU interpreter) vs the torch reference."""
+"""The model with the Triton MLA / fused-MoE / FP8 / rope-and-cache kernels (run by Triton's CPU interpreter) vs the torch
+reference."""
 
 import os
 import subprocess
@@ -12,7 +13,8 @@ SCRIPT = textwrap.dedent("""
     from engine.engine import Engine
     from engine.sampling import SamplingParams
     model, backend = sys.argv[1], sys.argv[2]
-    eng = Engine(model=model, device="cpu", dtype="float32", attention_backend=backend, moe_backend=backend)
+    eng = Engine(model=model, device="cpu", dtype="float32", attention_backend=backend, moe_backend=backend,
+                 rope_cache_backend=backend)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 17, 4)]
     sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
