@@ -44,8 +44,8 @@ def _flags(extra: list[str]) -> dict:
     return out
 
 
-def count_kernels(a, layers: int, Engine, SamplingParams) -> tuple[collections.Counter, int]:
-    """(launches per kernel name over the profiled steps, number of decode steps profiled)."""
+def count_kernels(a, layers: int, Engine, SamplingParams) -> tuple[collections.Counter, collections.Counter, int]:
+    """(launches per kernel name over the profiled steps, their device microseconds, decode steps profiled)."""
     from torch.profiler import ProfilerActivity, profile  # lazy: only when profiling
 
     eng = Engine(model=a.model, load_format="dummy", num_layers=layers, disable_cuda_graph=True,
@@ -70,17 +70,18 @@ def count_kernels(a, layers: int, Engine, SamplingParams) -> tuple[collections.C
         if cuda:
             torch.cuda.synchronize()
     steps = eng.scheduler.stats()["decode_steps"] - before
-    counts = collections.Counter()
+    counts, micros = collections.Counter(), collections.Counter()
     for e in prof.key_averages():
         on_device = getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)
         if on_device or (not cuda and e.key.startswith("aten::")):  # CPU: torch ops stand in for kernels
             counts[e.key] += e.count
+            micros[e.key] += getattr(e, "self_device_time_total", 0.0) if on_device else 0.0
     eng.scheduler.abort_all()
     eng.close()
     del eng
     if cuda:
         torch.cuda.empty_cache()
-    return counts, max(steps, 1)
+    return counts, micros, max(steps, 1)
 
 
 def main() -> None:
@@ -102,13 +103,15 @@ def main() -> None:
           f"engine from {os.path.abspath(a.tree)}, on {device}; extra flags: {' '.join(a.extra) or 'none'}")
     per_step = {}
     for layers in [a.num_layers] + ([a.num_layers + 1] if a.layer_delta else []):
-        counts, steps = count_kernels(a, layers, Engine, SamplingParams)
+        counts, micros, steps = count_kernels(a, layers, Engine, SamplingParams)
         per_step[layers] = {k: v / steps for k, v in counts.items()}
         total = sum(per_step[layers].values())
+        busy = sum(micros.values()) / steps
         print(f"\n{layers} layers: {total:.1f} kernels per decode step ({steps} steps), {total / layers:.1f} per "
-              f"layer (whole step / layers)")
-        for name, n in sorted(per_step[layers].items(), key=lambda kv: -kv[1])[:40]:
-            print(f"  {n:7.2f}  {name[:110]}")
+              f"layer (whole step / layers); {busy:.1f} us of kernel time per step (eager, no overlap counted)")
+        print("  launches/step  us/step  kernel")
+        for name, n in sorted(per_step[layers].items(), key=lambda kv: -micros[kv[0]])[:40]:
+            print(f"  {n:13.2f}  {micros[name] / steps:7.1f}  {name[:100]}")
     if a.layer_delta:
         lo, hi = per_step[a.num_layers], per_step[a.num_layers + 1]
         diff = {k: hi.get(k, 0.0) - lo.get(k, 0.0) for k in set(lo) | set(hi)}

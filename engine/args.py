@@ -247,6 +247,13 @@ class KernelArgs:
         "GEMM quantises; the default elsewhere and with --gemm-backend torch).",
         choices=("auto", "triton", "torch", "off"),
     )
+    act_quant_backend: str = flag(
+        "auto", "SwiGLU's SiLU(gate) * up before a block-FP8 down projection (dense MLPs, shared experts; FP8 "
+        "weights): 'triton' fuses it with the GEMM's FP8 activation quantisation in one kernel (CUDA default), "
+        "'torch' (its reference), 'off' (the torch form, then the GEMM quantises; the default elsewhere and with "
+        "--gemm-backend torch).",
+        choices=("auto", "triton", "torch", "off"),
+    )
     moe_gate_backend: str = flag(
         "auto", "MoE router top-k: 'triton' fused gate (CUDA default) or 'torch' (reference; CPU default).",
         choices=("auto", "triton", "torch"),
@@ -306,7 +313,8 @@ class KernelArgs:
         """The implementation asked for per op ('auto' or a name), keyed as engine/model/kernel_registry.py's ops."""
         return {"attention": self.attention, "moe": self.moe_backend, "gemm": self.gemm_backend,
                 "rms_norm": self.rms_norm_backend, "moe_gate": self.moe_gate_backend,
-                "norm_quant": self.norm_quant_backend, "all_reduce": self.all_reduce_backend,
+                "norm_quant": self.norm_quant_backend, "act_quant": self.act_quant_backend,
+                "all_reduce": self.all_reduce_backend,
                 "rope_cache": self.rope_cache_backend}
 
     def config_dir(self) -> Optional[str]:

@@ -13,6 +13,8 @@ check and a factory, and what 'auto' means for it.
   norm_quant  --norm-quant-backend  an RMSNorm that feeds a block-FP8 GEMM fused with the GEMM's activation
                                     quantisation: triton (kernels/rms_norm_quant.py), torch (its reference),
                                     off (norm, then the GEMM quantises)
+  act_quant   --act-quant-backend   SwiGLU's SiLU(gate) * up fused with the FP8 quantisation of the block-FP8 down
+                                    GEMM after it: triton (kernels/silu_mul_quant.py), torch (its reference), off
   moe_gate    --moe-gate-backend    triton (kernels/moe_gate.py), torch
   rope_cache  --rope-cache-backend  MLA's latent RMSNorm, the rope of q_pe and k_pe and the KV-cache write:
                                     triton (one kernel, kernels/mla_rope_cache.py), torch (op by op)
@@ -46,7 +48,7 @@ from engine.distributed.groups import TPGroup
 from engine.distributed.token_exchange import torch_all_to_all
 from engine.errors import UsageError
 from engine.memory.pools import KVPool, ReqToTokenPool
-from engine.model import fp8_ops, gate_ops, norm_ops, rope_cache_ops
+from engine.model import act_ops, fp8_ops, gate_ops, norm_ops, rope_cache_ops
 from engine.model.attention import TorchAttentionBackend
 from engine.model.attention_expanded import TorchExpandedAttention, TritonExpandedAttention
 from engine.model.attention_flashinfer import FlashInferAttentionBackend, check_supported
@@ -151,7 +153,7 @@ def auto_name(op: str, setup: KernelSetup) -> str:
         return "triton" if cublas_unavailable_reason(setup.device) else "cublas"
     if op == "gemm":
         return "triton" if setup.interpret else "torch"
-    if op == "norm_quant":  # with the Triton FP8 GEMM (resolve_kernels turns it off with the torch GEMM)
+    if op in ("norm_quant", "act_quant"):  # with the Triton FP8 GEMM (resolve_kernels: off with the torch GEMM)
         return "triton" if setup.fp8_block is not None and (setup.cuda or setup.interpret) else "off"
     return "triton" if setup.cuda else "torch"
 
@@ -253,6 +255,10 @@ NORM_QUANT = OpRegistry("norm_quant")
 NORM_QUANT.register("off", no_check, returns(None), label=lambda setup: "off")
 NORM_QUANT.register("torch", no_check, returns(norm_ops.torch_norm_quant))
 NORM_QUANT.register("triton", check_triton("--norm-quant-backend"), returns(norm_ops.triton_norm_quant))
+ACT_QUANT = OpRegistry("act_quant")
+ACT_QUANT.register("off", no_check, returns(None), label=lambda setup: "off")
+ACT_QUANT.register("torch", no_check, returns(act_ops.torch_act_quant))
+ACT_QUANT.register("triton", check_triton("--act-quant-backend"), returns(act_ops.triton_act_quant))
 GEMM_Q = {"torch": fp8_ops.torch_linear_q, "triton": fp8_ops.triton_linear_q, "cublas": fp8_ops.cublas_linear_q}
 
 MOE_GATE = OpRegistry("moe_gate")
@@ -273,7 +279,7 @@ MOE_A2A.register("none", no_check, returns(None))
 MOE_A2A.register("torch", check_token_exchange, returns(torch_all_to_all), label=process_group_backend)
 
 REGISTRIES: dict[str, OpRegistry] = {r.op: r for r in (ATTENTION, MOE, GEMM, RMS_NORM, MOE_GATE, ALL_REDUCE,
-                                                        NORM_QUANT, ROPE_CACHE, MOE_A2A)}
+                                                        NORM_QUANT, ACT_QUANT, ROPE_CACHE, MOE_A2A)}
 
 
 @dataclass(frozen=True)
@@ -287,6 +293,7 @@ class KernelChoice:
     moe_gate: str = AUTO
     all_reduce: str = AUTO
     norm_quant: str = AUTO
+    act_quant: str = AUTO
     rope_cache: str = AUTO
     moe_a2a: str = AUTO
 
@@ -299,8 +306,9 @@ def resolve_kernels(requested: dict[str, str], setup: KernelSetup) -> KernelChoi
     check, which rejects what cannot run here."""
     asked = KernelChoice(**requested).names()
     chosen = {op: REGISTRIES[op].resolve(name, setup) for op, name in asked.items()}
-    if asked["norm_quant"] == AUTO and chosen["gemm"] == "torch":  # the exact product quantises nothing
-        chosen["norm_quant"] = "off"
+    for fused in ("norm_quant", "act_quant"):
+        if asked[fused] == AUTO and chosen["gemm"] == "torch":  # the exact product quantises nothing
+            chosen[fused] = "off"
     return KernelChoice(**chosen)
 
 
@@ -310,7 +318,8 @@ def build_kernels(choice: KernelChoice, setup: KernelSetup) -> Kernels:
                    moe_gate=MOE_GATE.build(choice.moe_gate, setup),
                    all_reduce=ALL_REDUCE.build(choice.all_reduce, setup),
                    norm_quant=NORM_QUANT.build(choice.norm_quant, setup),
-                   gemm_q=GEMM_Q[choice.gemm] if choice.norm_quant != "off" else None,
+                   act_quant=ACT_QUANT.build(choice.act_quant, setup),
+                   gemm_q=GEMM_Q[choice.gemm] if (choice.norm_quant, choice.act_quant) != ("off", "off") else None,
                    moe_a2a=MOE_A2A.build(choice.moe_a2a, setup),
                    rope_cache=ROPE_CACHE.build(choice.rope_cache, setup))
 

@@ -7,7 +7,8 @@ module calls its field: Linear `gemm` (block-FP8 weights only), RMSNorm `rms_nor
 and every layer that reduces over its TP group `all_reduce`; MoE layers of a group that exchanges tokens
 (`TPGroup.exchanges_tokens`) send them to their experts' ranks with `moe_a2a`; MLA runs its latent norm, rope and
 KV-cache write with `rope_cache` (None: op by op in torch). `norm_quant` (None: off) fuses an RMSNorm with
-the FP8 quantisation of the block-FP8 GEMM it feeds; Linear then runs `gemm_q` on the quantised pair.
+the FP8 quantisation of the block-FP8 GEMM it feeds, `act_quant` (None: off) SwiGLU's SiLU(gate) * up with that of
+the down projection; Linear then runs `gemm_q` on the quantised pair.
 Nothing is looked up per call and no module branches on the device.
 
 Modules built on their own (tests, meta-device shape checks) get `REFERENCE`: the torch form of
@@ -36,6 +37,8 @@ NormQuant = Callable[[torch.Tensor, torch.Tensor, float, int], Optional[tuple[to
 # q, q_scale, w, w_scale, block, out dtype -> y: the block-FP8 linear of an activation quantised already
 GemmQ = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int], torch.dtype],
                  torch.Tensor]
+# gate_up [M, 2 I], group -> (q e4m3, group scales) of SiLU(gate) * up, or None where it does not run
+ActQuant = Callable[[torch.Tensor, int], Optional[tuple[torch.Tensor, torch.Tensor]]]
 # q, latent, norm weight, eps, cos, sin, positions, kv_lora_rank, cache (None: no write), slots, kv scale
 # -> (q_pe, c_kv, k_pe), or None where it does not run (then the torch form)
 RopeCache = Callable[..., Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
@@ -48,8 +51,9 @@ class Kernels:
     moe_gate: Gate  # router logits -> (weights, expert ids)
     all_reduce: AllReduce
     norm_quant: Optional[NormQuant] = None  # None: an RMSNorm before a block-FP8 GEMM runs apart from it
-    gemm_q: Optional[GemmQ] = None  # the `gemm` of a quantised activation (set with norm_quant)
+    gemm_q: Optional[GemmQ] = None  # the `gemm` of a quantised activation (set with norm_quant or act_quant)
     moe_a2a: Optional[TokenExchange] = None  # EP all-to-all of MoE tokens (None: gather + all-reduce)
+    act_quant: Optional[ActQuant] = None  # None: SiLU(gate) * up apart from the down GEMM's quantisation
     rope_cache: Optional[RopeCache] = None  # MLA's latent norm, rope and cache write in one (None: op by op)
 
 

@@ -189,8 +189,19 @@ class MLP(nn.Module):
 
     def forward(self, x: Activation) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split(self.local, dim=-1)
+            h = self.activation(self.gate_up_proj(x))
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        out = self.down_proj(F.silu(gate) * up)
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        out = self.down_proj(h)
         return self.kernels.all_reduce(out, self.tp) if self.reduce else out
+
+    def activation(self, gate_up: torch.Tensor) -> Activation:
+        """SiLU(gate) * up of the merged GEMM's output, for down_proj: quantised with it in one kernel
+        (`kernels.act_quant`) when down_proj is block-FP8, else the torch form (down_proj then quantises)."""
+        block = self.down_proj.fp8_block
+        if self.kernels.act_quant is not None and block is not None:
+            pair = self.kernels.act_quant(gate_up, block[1])
+            if pair is not None:
+                return FP8Input(*pair, gate_up.dtype)
+        gate, up = gate_up.split(self.local, dim=-1)
+        return F.silu(gate) * up

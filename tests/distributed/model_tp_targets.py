@@ -43,19 +43,20 @@ class Case:
 
 
 def case_kernels(case: Case, cfg, block, old_paths: bool):
-    """The Kernels the case's model runs: 'auto' on CPU, or the W8A8 torch maths. old_paths: no RMSNorm
-    fused with the FP8 quantisation of the GEMM after it (and run_workload keeps q_a / kv_a apart)."""
-    from engine.model import fp8_ops, norm_ops
+    """The Kernels the case's model runs: 'auto' on CPU, or the W8A8 torch maths. old_paths: no RMSNorm and
+    no SiLU(gate) * up fused with the FP8 quantisation of the GEMM after it (and run_workload keeps q_a / kv_a
+    apart)."""
+    from engine.model import act_ops, fp8_ops, norm_ops
     from engine.model.builder import default_kernels
     from engine.model.kernel_set import REFERENCE
     from kernels.fp8 import block_fp8_matmul_ref
 
     if case.w8a8_torch:
         kernels = replace(REFERENCE, gemm=block_fp8_matmul_ref, norm_quant=norm_ops.torch_norm_quant,
-                          gemm_q=fp8_ops.torch_linear_q)
+                          act_quant=act_ops.torch_act_quant, gemm_q=fp8_ops.torch_linear_q)
     else:
         kernels = default_kernels(cfg, torch.float32, torch.device("cpu"), block)
-    return replace(kernels, norm_quant=None, gemm_q=None) if old_paths else kernels
+    return replace(kernels, norm_quant=None, act_quant=None, gemm_q=None) if old_paths else kernels
 
 
 def params_by_checkpoint_name(model, mtp) -> dict[str, torch.Tensor]:

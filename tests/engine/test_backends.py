@@ -13,7 +13,7 @@ from engine.checkpoint.config import parse_config
 from engine.checkpoint.registry import lookup
 from engine.distributed import comm
 from engine.errors import UsageError
-from engine.model import fp8_ops, gate_ops, norm_ops, rope_cache_ops
+from engine.model import act_ops, fp8_ops, gate_ops, norm_ops, rope_cache_ops
 from engine.model import kernel_registry as kr
 from engine.model.attention import MLA, TorchAttentionBackend
 from engine.model.kernel_set import Kernels
@@ -25,7 +25,7 @@ from tests.engine import fake_flashinfer
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
 BLOCK = (128, 128)
 OPS = list(kr.REGISTRIES)
-FLAG_OPS = ["attention", "moe", "gemm", "rms_norm", "moe_gate", "norm_quant", "rope_cache"]  # each with a triton kernel
+FLAG_OPS = ["attention", "moe", "gemm", "rms_norm", "moe_gate", "norm_quant", "act_quant", "rope_cache"]  # triton each
 
 
 def _setup(device=CPU, dtype=torch.float32, kv_dtype=None, graphs=(), interpret=False, model="tiny", fp8_block=None):
@@ -52,6 +52,7 @@ def test_choices_per_op():
     assert kr.ALL_REDUCE.choices() == ["auto", "torch", "custom"]
     assert kr.NORM_QUANT.choices() == ["auto", "off", "torch", "triton"]
     assert kr.ROPE_CACHE.choices() == ["auto", "torch", "triton"]
+    assert kr.ACT_QUANT.choices() == ["auto", "off", "torch", "triton"]
 
 
 @pytest.mark.parametrize("op", [*FLAG_OPS, "all_reduce"])
@@ -66,13 +67,14 @@ def test_each_flag_offers_exactly_the_registered_names(op):
 def test_auto_on_cpu():
     names = kr.resolve_kernels({}, _setup(CPU, fp8_block=BLOCK)).names()
     assert names == dict(attention="torch", moe="torch", gemm="torch", rms_norm="torch", moe_gate="torch",
-                         all_reduce="torch", norm_quant="off", rope_cache="torch", moe_a2a="none")
+                         all_reduce="torch", norm_quant="off", act_quant="off", rope_cache="torch", moe_a2a="none")
     interp = kr.resolve_kernels({}, _setup(CPU, interpret=True, fp8_block=BLOCK)).names()
     # the interpreter is opt-in for every op but the FP8 GEMM (and the norm fused with its quantisation),
     # which the CPU tests run in Triton
-    assert interp == dict(names, gemm="triton", norm_quant="triton")
+    assert interp == dict(names, gemm="triton", norm_quant="triton", act_quant="triton")
     # the exact torch GEMM quantises no activation: nothing to fuse with
-    assert kr.resolve_kernels({"gemm": "torch"}, _setup(CPU, interpret=True, fp8_block=BLOCK)).norm_quant == "off"
+    exact = kr.resolve_kernels({"gemm": "torch"}, _setup(CPU, interpret=True, fp8_block=BLOCK))
+    assert exact.norm_quant == exact.act_quant == "off"
     assert kr.resolve_kernels({}, _setup(CPU, interpret=True)).gemm == "torch"  # no FP8 weights: no FP8 GEMM
 
 
@@ -80,9 +82,9 @@ def test_auto_on_cpu():
 def test_auto_on_cuda(monkeypatch, cublas_why, gemm):
     monkeypatch.setattr(kr, "cublas_unavailable_reason", lambda device: cublas_why)
     choice = kr.resolve_kernels({}, _setup(CUDA, torch.bfloat16, graphs=(1, 2), fp8_block=BLOCK))
-    assert choice == kr.KernelChoice("triton", "triton", gemm, "triton", "triton", "torch", "triton", "triton", "none")
+    assert choice == kr.KernelChoice("triton", "triton", gemm, "triton", "triton", "torch", "triton", "triton", "triton", "none")
     bf16 = kr.resolve_kernels({}, _setup(CUDA, torch.bfloat16))
-    assert bf16.gemm == "torch" and bf16.norm_quant == "off"  # bf16 weights: F.linear, nothing to quantise
+    assert bf16.gemm == "torch" and bf16.norm_quant == bf16.act_quant == "off"  # bf16 weights: F.linear, nothing to quantise
 
 
 @pytest.mark.parametrize("op", FLAG_OPS)
@@ -127,6 +129,8 @@ def test_build_kernels_gives_the_chosen_callables():
     fused = kr.build_kernels(kr.resolve_kernels(dict(gemm="triton", norm_quant="triton"), setup), setup)
     assert (fused.norm_quant, fused.gemm_q) == (norm_ops.triton_norm_quant, fp8_ops.triton_linear_q)
     assert ref.rope_cache is None  # the torch form runs op by op in the layer
+    act = kr.build_kernels(kr.resolve_kernels(dict(gemm="triton", norm_quant="off", act_quant="triton"), setup), setup)
+    assert (act.act_quant, act.gemm_q) == (act_ops.triton_act_quant, fp8_ops.triton_linear_q)
     rope = kr.build_kernels(kr.resolve_kernels(dict(rope_cache="triton"), setup), setup)
     assert rope.rope_cache is rope_cache_ops.triton_rope_cache
 
@@ -136,11 +140,11 @@ def test_describe_names_what_runs_for_each_op(monkeypatch):
     setup = _setup(CUDA, torch.bfloat16, fp8_block=BLOCK)
     assert kr.describe(kr.resolve_kernels({}, setup), setup) == (
         "attention triton, moe triton, gemm triton+cublas, rms_norm triton, moe_gate triton, all_reduce nccl, "
-        "norm_quant triton, rope_cache triton, moe_a2a none")
+        "norm_quant triton, act_quant triton, rope_cache triton, moe_a2a none")
     cpu = _setup(CPU)
     assert kr.describe(kr.resolve_kernels({"attention": "torch"}, cpu), cpu) == (
         "attention torch, moe torch, gemm torch, rms_norm torch, moe_gate torch, all_reduce gloo, norm_quant off, "
-        "rope_cache torch, moe_a2a none")
+        "act_quant off, rope_cache torch, moe_a2a none")
 
 
 def test_runner_logs_its_kernels_once(caplog):
@@ -149,7 +153,7 @@ def test_runner_logs_its_kernels_once(caplog):
                                            moe_gate_backend="triton", max_total_tokens=256))
     lines = [r.getMessage() for r in caplog.records if "kernels:" in r.getMessage()]
     assert lines == ["rank 0 kernels: attention torch, moe torch, gemm torch, rms_norm triton, moe_gate triton, "
-                     "all_reduce gloo, norm_quant off, rope_cache torch, moe_a2a none"]
+                     "all_reduce gloo, norm_quant off, act_quant off, rope_cache torch, moe_a2a none"]
     assert runner.kernel_choice.rms_norm == "triton"
 
 

@@ -1,5 +1,6 @@
 """MLA.merge_qkv_a (q_a_proj and kv_a_proj_with_mqa as one GEMM) and the RMSNorm fused with the FP8
-quantisation of the GEMM it feeds (RMSNorm.for_linear, kernels.norm_quant), against the paths they replace.
+quantisation of the GEMM it feeds (RMSNorm.for_linear, kernels.norm_quant), and SwiGLU's SiLU(gate) * up fused
+with the down projection's quantisation (MLP.activation, kernels.act_quant), against the paths they replace.
 
 - One MLA layer: the merged projection gives the q and latent the two projections gave (plain and block-FP8
   weights, torch and Triton GEMMs); the merged FP8 scale rows are q_a's then kv_a's (kv_a's last block partial,
@@ -27,7 +28,7 @@ import torch
 
 from engine.checkpoint.config import parse_config
 from engine.checkpoint.registry import lookup
-from engine.model import fp8_ops, norm_ops
+from engine.model import act_ops, fp8_ops, norm_ops
 from engine.model.attention import MLA
 from engine.model.kernel_set import REFERENCE
 from engine.model.layers import FP8Input, Linear, RMSNorm
@@ -176,7 +177,8 @@ def _run_model(new_paths: bool) -> tuple[list[list[int]], list[torch.Tensor], in
 
     kernels = replace(REFERENCE, gemm=block_fp8_matmul_ref)
     if new_paths:
-        kernels = replace(kernels, norm_quant=norm_ops.torch_norm_quant, gemm_q=gemm_q)
+        kernels = replace(kernels, norm_quant=norm_ops.torch_norm_quant, act_quant=act_ops.torch_act_quant,
+                          gemm_q=gemm_q)
     with mock.patch.object(MLA, "merge_qkv_a", MLA.merge_qkv_a if new_paths else lambda self: None):
         model, _ = build_model(cfg, 2, torch.float32, "cpu", BLOCK, seed=3, mtp=False, kernels=kernels)
     assert (model.layers[0].self_attn.qkv_a_proj is not None) == new_paths
@@ -210,8 +212,9 @@ def _run_model(new_paths: bool) -> tuple[list[list[int]], list[torch.Tensor], in
 def test_w8a8_model_greedy_tokens_equal_the_old_paths():
     new_tokens, new_logits, fused = _run_model(True)
     old_tokens, old_logits, unfused = _run_model(False)
-    # per forward: qkv_a, q_b of both layers and the dense layer's gate_up read a norm's quantised output
-    assert (fused, unfused) == (4 * 5, 0)
+    # per forward: qkv_a, q_b of both layers and the dense layer's gate_up read a norm's quantised output, the
+    # dense MLP's and the shared experts' down projections SiLU(gate) * up quantised with it (act_quant)
+    assert (fused, unfused) == (4 * 7, 0)
     assert new_tokens == old_tokens
     for new, old in zip(new_logits, old_logits):
         assert old.abs().max() > 0.1
@@ -240,11 +243,12 @@ def test_gpu_engine_greedy_tokens_equal_the_old_paths():
     def tokens(**kw):
         eng = Engine(model="tiny-fp8", device="cuda", dtype="bfloat16", max_total_tokens=4096, **kw)
         assert eng.runner.kernel_choice.norm_quant == kw.get("norm_quant_backend", "triton")
+        assert eng.runner.kernel_choice.act_quant == kw.get("act_quant_backend", "triton")
         out = [o.token_ids for o in eng.generate(input_ids=prompts, sampling_params=params)]
         eng.close()
         return out
 
     new = tokens()
     with mock.patch.object(MLA, "merge_qkv_a", lambda self: None):
-        old = tokens(norm_quant_backend="off")
+        old = tokens(norm_quant_backend="off", act_quant_backend="off")
     assert new == old
