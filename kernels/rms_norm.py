@@ -13,6 +13,9 @@ land one rounding step (one ulp of x.dtype) away from the reference.
 
 Rows are the last dimension of x, which must be contiguous; rows may be strided (a column
 slice such as latent[:, :kv_lora_rank] is read in place, not copied).
+
+`add_rms_norm_triton` also does the residual add before a decoder layer's norm (x + residual, rounded
+as torch's add rounds it, stored as the new residual stream, then normalised) in the same launch.
 """
 
 from __future__ import annotations
@@ -41,13 +44,21 @@ def round_to(v, dtype: tl.constexpr, EXACT_ROUND: tl.constexpr):
 
 @triton.jit
 def normed_tile(X, W, rows, cols, n_rows, hidden, stride_x, eps, OUT_DTYPE: tl.constexpr,
-                EXACT_ROUND: tl.constexpr):
+                EXACT_ROUND: tl.constexpr, R=None, S=None, stride_r=0, stride_s=0, HAS_RESIDUAL: tl.constexpr = False):
     """One [ROWS, BLOCK] tile of rms_norm(x) * w, rounded to OUT_DTYPE (the values the norm stores), and its
-    mask. kernels/rms_norm_quant.py calls it too, so that both kernels add the squares in the same order."""
+    mask. kernels/rms_norm_quant.py calls it too, so that both kernels add the squares in the same order.
+    HAS_RESIDUAL: the tile normalised is x + r (rows of R), rounded to X's dtype as torch's add rounds it,
+    and stored to S (the residual stream after the add)."""
     row_ok = rows < n_rows
     col_ok = cols < hidden
     mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        summed = round_to(x + r, X.dtype.element_ty, EXACT_ROUND)
+        tl.store(S + rows64 * stride_s + cols[None, :], summed, mask=mask)
+        x = summed.to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)  # [ROWS]
     y = round_to(x * inv[:, None], X.dtype.element_ty, EXACT_ROUND).to(tl.float32)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -55,11 +66,12 @@ def normed_tile(X, W, rows, cols, n_rows, hidden, stride_x, eps, OUT_DTYPE: tl.c
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # one compile for every batch size
-def _rms_norm_kernel(X, W, Out, n_rows, hidden, stride_x, stride_o, eps,
-                     BLOCK: tl.constexpr, ROWS: tl.constexpr, EXACT_ROUND: tl.constexpr):
+def _rms_norm_kernel(X, R, S, W, Out, n_rows, hidden, stride_x, stride_r, stride_s, stride_o, eps,
+                     BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT_ROUND: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    out, mask = normed_tile(X, W, rows, cols, n_rows, hidden, stride_x, eps, Out.dtype.element_ty, EXACT_ROUND)
+    out, mask = normed_tile(X, W, rows, cols, n_rows, hidden, stride_x, eps, Out.dtype.element_ty, EXACT_ROUND,
+                            R, S, stride_r, stride_s, HAS_RESIDUAL)
     tl.store(Out + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], out, mask=mask)
 
 
@@ -106,15 +118,37 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     o2 = out if out.dim() == 2 else out.view(-1, hidden)
     if o2.stride(-1) != 1:
         raise ValueError("out needs a contiguous last dimension")
-    n_rows = x2.shape[0]
+    _launch(x2, None, None, weight, o2, eps)
+    return out
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of x + residual, x + residual): the residual add before a norm in the same kernel, the sum
+    rounded to x's dtype as torch's add rounds it; the same result as `add_rms_norm_ref`. x and residual
+    [M, hidden] of one dtype (rows may be strided, the last dimension contiguous)."""
+    if not (supported(x, weight) and x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
+            and x.stride(-1) == 1 and residual.stride(-1) == 1 and residual.device == x.device):
+        raise ValueError(f"add_rms_norm_triton: unsupported x {tuple(x.shape)} {x.dtype} / residual "
+                         f"{tuple(residual.shape)} {residual.dtype} / weight {tuple(weight.shape)} {weight.dtype}")
+    out = torch.empty(x.shape, dtype=out_dtype(x, weight), device=x.device)
+    summed = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _launch(x, residual, summed, weight, out, eps)
+    return out, summed
+
+
+def _launch(x2, residual, summed, weight, out, eps) -> None:
+    """The kernel over the rows of x2 (with `residual`: of x2 + residual, stored to `summed`) into `out`."""
+    n_rows, hidden = x2.shape
     if n_rows == 0:
-        return out
+        return
     w = weight if weight.stride(0) == 1 else weight.contiguous()
     block, rows, num_warps = launch_meta(hidden)
+    add = residual is not None
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
-        x2, w, o2, n_rows, hidden, x2.stride(0), o2.stride(0), float(eps),
-        BLOCK=block, ROWS=rows, EXACT_ROUND=interpreting(), num_warps=num_warps)
-    return out
+        x2, residual if add else x2, summed if add else x2, w, out, n_rows, hidden, x2.stride(0),
+        residual.stride(0) if add else 0, summed.stride(0) if add else 0, out.stride(0), float(eps),
+        BLOCK=block, ROWS=rows, HAS_RESIDUAL=add, EXACT_ROUND=interpreting(), num_warps=num_warps)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -122,3 +156,10 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch form of `add_rms_norm_triton`: the residual add, then the norm of the sum."""
+    summed = x + residual
+    return rms_norm_ref(summed, weight, eps), summed

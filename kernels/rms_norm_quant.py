@@ -46,13 +46,14 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat1
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # one compile for every batch size
-def _rms_norm_quant_kernel(X, W, Q, S, n_rows, hidden, stride_x, stride_q, stride_sm, stride_sg, eps, act_eps,
-                           BLOCK: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
-                           NORM_DTYPE: tl.constexpr, EXACT_ROUND: tl.constexpr):
+def _rms_norm_quant_kernel(X, R, SUM, W, Q, S, n_rows, hidden, stride_x, stride_r, stride_sum, stride_q, stride_sm,
+                           stride_sg, eps, act_eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
+                           NORM_DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT_ROUND: tl.constexpr):
     # kernels/rms_norm.py's tile: the values its kernel would store (kept in float32 registers)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    h, mask = normed_tile(X, W, rows, cols, n_rows, hidden, stride_x, eps, NORM_DTYPE, EXACT_ROUND)
+    h, mask = normed_tile(X, W, rows, cols, n_rows, hidden, stride_x, eps, NORM_DTYPE, EXACT_ROUND,
+                          R, SUM, stride_r, stride_sum, HAS_RESIDUAL)
     h = h.to(tl.float32)
     row_ok = rows < n_rows
     rows64 = rows.to(tl.int64)
@@ -86,17 +87,40 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int
     x2 = x if x.dim() == 2 else x.reshape(-1, hidden)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m, groups = x2.shape[0], cdiv(hidden, group)
-    q = torch.empty((m, hidden), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    return _launch(x2, None, None, weight, eps, group, act_eps)
+
+
+def add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       group: int = GROUP_SIZE,
+                       act_eps: float = ACT_EPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The residual add before the norm in the same kernel: (q, scale) of rms_norm(x + residual) as
+    `rms_norm_quant` gives them, and x + residual (rounded as torch's add rounds it, the new residual stream).
+    x and residual [M, K] of one dtype, the last dimension contiguous."""
+    if not (supported(x, weight, group) and x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
+            and x.stride(-1) == 1 and residual.stride(-1) == 1 and residual.device == x.device):
+        raise ValueError(f"add_rms_norm_quant: unsupported x {tuple(x.shape)} {x.dtype} / residual "
+                         f"{tuple(residual.shape)} {residual.dtype} / weight {tuple(weight.shape)}, group {group}")
+    summed = torch.empty_like(x, memory_format=torch.contiguous_format)
+    q, s = _launch(x, residual, summed, weight, eps, group, act_eps)
+    return q, s, summed
+
+
+def _launch(x2, residual, summed, weight, eps, group, act_eps) -> tuple[torch.Tensor, torch.Tensor]:
+    m, hidden = x2.shape
+    groups = cdiv(hidden, group)
+    q = torch.empty((m, hidden), dtype=FP8_DTYPE, device=x2.device)
+    s = torch.empty((groups, m), dtype=torch.float32, device=x2.device).t()
     if m == 0:
         return q, s
     w = weight if weight.stride(0) == 1 else weight.contiguous()
     block, rows, num_warps = rms_norm_launch_meta(hidden)
+    add = residual is not None
     _rms_norm_quant_kernel[(triton.cdiv(m, rows),)](
-        x2, w, q, s, m, hidden, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps), float(act_eps),
-        BLOCK=block, ROWS=rows, GROUP=min(group, block), NORM_DTYPE=_TL_DTYPE[out_dtype(x, weight)],
-        EXACT_ROUND=interpreting(), num_warps=num_warps)
+        x2, residual if add else x2, summed if add else x2, w, q, s, m, hidden, x2.stride(0),
+        residual.stride(0) if add else 0, summed.stride(0) if add else 0, q.stride(0), s.stride(0), s.stride(1),
+        float(eps), float(act_eps), BLOCK=block, ROWS=rows, GROUP=min(group, block),
+        NORM_DTYPE=_TL_DTYPE[out_dtype(x2, weight)], HAS_RESIDUAL=add, EXACT_ROUND=interpreting(),
+        num_warps=num_warps)
     return q, s
 
 
@@ -105,3 +129,11 @@ def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, group:
     """The two steps the kernel fuses, in plain torch: (q [M, K] e4m3, scale [M, groups] float32)."""
     hidden = x.shape[-1]
     return quantize_groups(rms_norm_ref(x, weight, eps).reshape(-1, hidden), group, act_eps)
+
+
+def add_rms_norm_quant_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           group: int = GROUP_SIZE,
+                           act_eps: float = ACT_EPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch form of `add_rms_norm_quant`: the add, then `rms_norm_quant_ref` of the sum."""
+    summed = x + residual
+    return (*rms_norm_quant_ref(summed, weight, eps, group, act_eps), summed)

@@ -35,17 +35,27 @@ from kernels.mla_extend import extend_attention
 
 
 def absorbed_query(layer: MLA, q_nope: torch.Tensor) -> torch.Tensor:
-    """q_nope [B, H, nope] -> q in latent space [B, H, kv_lora] (W_UK folded in)."""
+    """q_nope [B, H, nope] -> q in latent space [B, H, kv_lora] (W_UK folded in); contiguous with FP8 weights (the
+    batched matmul writes token-major rows, so the decode kernel reads it without a copy)."""
     if layer.w_kc_fp8 is not None:
-        return fp8_bmm(q_nope.transpose(0, 1), layer.w_kc_fp8, layer.w_kc_scale).transpose(0, 1)
+        return _fp8_bmm_token_major(q_nope, layer.w_kc_fp8, layer.w_kc_scale)
     return torch.bmm(q_nope.transpose(0, 1), layer.w_kc).transpose(0, 1)
 
 
 def latent_to_values(layer: MLA, out_lat: torch.Tensor) -> torch.Tensor:
-    """Latent attention output [B, H, kv_lora] -> per-head values [B, H, v] (W_UV)."""
+    """Latent attention output [B, H, kv_lora] -> per-head values [B, H, v] (W_UV); contiguous with FP8 weights,
+    so that o_proj's input [B, H * v] is a view, not a copy."""
     if layer.w_vc_fp8 is not None:
-        return fp8_bmm(out_lat.transpose(0, 1), layer.w_vc_fp8, layer.w_vc_scale).transpose(0, 1)
+        return _fp8_bmm_token_major(out_lat, layer.w_vc_fp8, layer.w_vc_scale)
     return torch.bmm(out_lat.transpose(0, 1), layer.w_vc.transpose(1, 2)).transpose(0, 1)
+
+
+def _fp8_bmm_token_major(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [B, H, K] @ w[h] [K, N] per head -> [B, H, N] contiguous: the head-major product written through a
+    transposed view of a token-major buffer."""
+    out = x.new_empty(x.shape[0], x.shape[1], w.shape[2])
+    fp8_bmm(x.transpose(0, 1), w, scale, out=out.transpose(0, 1))
+    return out
 
 
 ABSORB_MAX_EXTEND = 16  # new tokens over a cached prefix up to which a request attends in latent space

@@ -62,18 +62,22 @@ class DecoderLayer(nn.Module):
         self.mlp = (MoE(cfg, dtype, fp8_block, tp, kernels) if moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block, tp, kernels=kernels))
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        if x.shape[0]:  # an idle DP-attention forward has no tokens: its attention group skips attention
-            x = x + self.self_attn(self.input_layernorm.for_linear(x, *self.self_attn.input_linears()), fb, ctx)
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, ctx: ForwardContext,
+                residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output and `residual` the stream it adds to (None: x is the stream, the
+        embedding) -> (this layer's output, the stream it adds to). Each residual add runs inside the norm after
+        it (RMSNorm.add / add_for_linear); the caller adds the last layer's output itself."""
+        h, residual = self.input_layernorm.add_for_linear(x, residual, *self.self_attn.input_linears())
+        out = self.self_attn(h, fb, ctx) if x.shape[0] else x  # an idle DP-attention forward has no tokens
         if ctx.dp is None and not self.is_moe:  # the dense MLP's GEMM is the norm's only reader
-            h = self.post_attention_layernorm.for_linear(x, *self.mlp.input_linears())
+            h, residual = self.post_attention_layernorm.add_for_linear(out, residual, *self.mlp.input_linears())
         else:
-            h = self.post_attention_layernorm(x)
+            h, residual = self.post_attention_layernorm.add(out, residual)
         gathers = ctx.dp is not None and not (self.is_moe and self.mlp.tp.exchanges_tokens)  # a2a: own rows only
         if gathers:
             h = ctx.dp.gather(h)
         out = self.mlp(h, ctx) if self.is_moe else self.mlp(h)
-        return x + (ctx.dp.scatter(out) if gathers else out)
+        return (ctx.dp.scatter(out) if gathers else out), residual
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -113,9 +117,10 @@ class DeepseekForCausalLM(nn.Module):
     def hidden_states(self, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """Final pre-norm hidden states [T, hidden] of every token in the batch."""
         x = vocab_parallel_embedding(fb.input_ids, self.embed_tokens, self.tp, self.kernels.all_reduce)
+        residual = None
         for layer in self.layers:
-            x = layer(x, fb, ctx)
-        return x
+            x, residual = layer(x, fb, ctx, residual)
+        return x if residual is None else x + residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of the given (pre-norm) hidden rows: the whole vocabulary on every rank."""
@@ -152,7 +157,8 @@ class MTPLayer(nn.Module):
         """Hidden states [T, hidden] for fb.input_ids (the next tokens) and fb.spec_hidden."""
         e = self.enorm(vocab_parallel_embedding(fb.input_ids, self.embed_tokens, self.tp, self.kernels.all_reduce))
         x = self.eh_proj(torch.cat((e, self.hnorm(fb.spec_hidden)), dim=-1))
-        return self.layer(x, fb, ctx)
+        out, residual = self.layer(x, fb, ctx)
+        return out + residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logits(self.shared_head_norm(hidden), self.head, self.tp)

@@ -9,7 +9,9 @@ check and a factory, and what 'auto' means for it.
                                     kernels/fused_moe_w4a8, labelled "triton w4afp8")
   gemm        --gemm-backend        block-FP8 linear: cublas (Triton, cuBLASLt where the tuned config says
                                     CUBLAS), triton (Triton only), torch (dequantised reference)
-  rms_norm    --rms-norm-backend    triton (kernels/rms_norm.py outside torch.compile), torch
+  rms_norm    --rms-norm-backend    triton (kernels/rms_norm.py outside torch.compile), torch; a decoder layer's
+                                    residual add runs in the norm after it (Kernels.add_rms_norm, and with
+                                    norm_quant Kernels.add_norm_quant)
   norm_quant  --norm-quant-backend  an RMSNorm that feeds a block-FP8 GEMM fused with the GEMM's activation
                                     quantisation: triton (kernels/rms_norm_quant.py), torch (its reference),
                                     off (norm, then the GEMM quantises)
@@ -259,6 +261,8 @@ ACT_QUANT = OpRegistry("act_quant")
 ACT_QUANT.register("off", no_check, returns(None), label=lambda setup: "off")
 ACT_QUANT.register("torch", no_check, returns(act_ops.torch_act_quant))
 ACT_QUANT.register("triton", check_triton("--act-quant-backend"), returns(act_ops.triton_act_quant))
+ADD_NORM = {"torch": norm_ops.torch_add_rms_norm, "triton": norm_ops.triton_add_rms_norm}  # with rms_norm
+ADD_NORM_QUANT = {"off": None, "torch": norm_ops.torch_add_norm_quant, "triton": norm_ops.triton_add_norm_quant}
 GEMM_Q = {"torch": fp8_ops.torch_linear_q, "triton": fp8_ops.triton_linear_q, "cublas": fp8_ops.cublas_linear_q}
 
 MOE_GATE = OpRegistry("moe_gate")
@@ -321,7 +325,8 @@ def build_kernels(choice: KernelChoice, setup: KernelSetup) -> Kernels:
                    act_quant=ACT_QUANT.build(choice.act_quant, setup),
                    gemm_q=GEMM_Q[choice.gemm] if (choice.norm_quant, choice.act_quant) != ("off", "off") else None,
                    moe_a2a=MOE_A2A.build(choice.moe_a2a, setup),
-                   rope_cache=ROPE_CACHE.build(choice.rope_cache, setup))
+                   rope_cache=ROPE_CACHE.build(choice.rope_cache, setup),
+                   add_rms_norm=ADD_NORM[choice.rms_norm], add_norm_quant=ADD_NORM_QUANT[choice.norm_quant])
 
 
 def auto_kernels(setup: KernelSetup) -> Kernels:

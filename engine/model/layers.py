@@ -93,13 +93,38 @@ class RMSNorm(nn.Module):
     def for_linear(self, x: torch.Tensor, *linears: "Linear") -> Activation:
         """The norm of x [M, K] for `linears`, its only readers: quantised by the fused kernel
         (`kernels.norm_quant`) when every one is a block-FP8 linear of the same K group, else the norm."""
-        blocks = {lin.fp8_block for lin in linears}
-        if self.kernels.norm_quant is None or len(blocks) != 1 or None in blocks or x.dim() != 2:
-            return self(x)
-        pair = self.kernels.norm_quant(x, self.weight, self.eps, blocks.pop()[1])
+        group = _fp8_group(linears) if self.kernels.norm_quant is not None and x.dim() == 2 else None
+        pair = self.kernels.norm_quant(x, self.weight, self.eps, group) if group else None
         if pair is None:  # the kernel does not run here (torch.compile, an input it does not take)
             return self(x)
         return FP8Input(*pair, torch.promote_types(self.weight.dtype, x.dtype))
+
+    def add(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of x + residual, x + residual): a decoder layer's residual add and this norm in one kernel
+        (`kernels.add_rms_norm`); with residual None, (the norm of x, x)."""
+        if residual is None:
+            return self(x), x
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def add_for_linear(self, x: torch.Tensor, residual: Optional[torch.Tensor],
+                       *linears: "Linear") -> tuple[Activation, torch.Tensor]:
+        """`add`, the norm for `linears` as `for_linear` gives it (quantised with the add by
+        `kernels.add_norm_quant` where that runs)."""
+        if residual is None:
+            return self.for_linear(x, *linears), x
+        group = _fp8_group(linears) if self.kernels.add_norm_quant is not None else None
+        fused = self.kernels.add_norm_quant(x, residual, self.weight, self.eps, group) if group else None
+        if fused is None:
+            return self.add(x, residual)
+        q, scale, summed = fused
+        return FP8Input(q, scale, torch.promote_types(self.weight.dtype, x.dtype)), summed
+
+
+def _fp8_group(linears: tuple["Linear", ...]) -> Optional[int]:
+    """The activation group (block K) of `linears` when every one is a block-FP8 linear of the same block, else
+    None (a norm feeding them may then hand them its quantised output)."""
+    blocks = {lin.fp8_block for lin in linears}
+    return None if len(blocks) != 1 or None in blocks else next(iter(blocks))[1]
 
 
 class Linear(nn.Module):

@@ -9,6 +9,10 @@
   then the GEMM's own quantisation, or None where the kernel does not run (under torch.compile, inputs it
   does not take, float32 activations on a GPU): the caller then norms and lets the GEMM quantise, as
   without it. `torch_norm_quant` is its reference (two steps in plain torch).
+- the `*add*` twins take the decoder layer's residual add before the norm into the same kernel: (the norm of
+  x + residual, or its quantised pair, and x + residual itself, the new residual stream). Where the fused kernel
+  does not run (the cases above, and float32 activations on a GPU, whose compiled sum of squares may move by an
+  ulp) `triton_add_rms_norm` adds in torch and runs the norm kernel, `triton_add_norm_quant` returns None.
 """
 
 from __future__ import annotations
@@ -41,6 +45,36 @@ def _fp32_on_gpu(x: torch.Tensor) -> bool:
     kernel's by an ulp (the compiler lays the fused kernel out differently), so they are not fused; bf16 (what
     serving runs) rounds that away, and the interpreter on CPU sums alike in both."""
     return x.dtype == torch.float32 and x.device.type == "cuda"
+
+
+def triton_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if torch.compiler.is_compiling() or not _adds(x, residual) or not kernel.supported(x, weight) or _fp32_on_gpu(x):
+        summed = x + residual
+        return triton_rms_norm(summed, weight, eps), summed
+    return kernel.add_rms_norm_triton(x, residual, weight, eps)
+
+
+def triton_add_norm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                          group: int) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    if (torch.compiler.is_compiling() or not _adds(x, residual) or not fused.supported(x, weight, group)
+            or _fp32_on_gpu(x)):
+        return None
+    return fused.add_rms_norm_quant(x, residual, weight, eps, group)
+
+
+def _adds(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether the fused add takes x and residual: [M, K] rows of one dtype, the last dimension contiguous."""
+    return (x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype and x.stride(-1) == 1
+            and residual.stride(-1) == 1)
+
+
+torch_add_rms_norm = kernel.add_rms_norm_ref
+
+
+def torch_add_norm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         group: int) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    return fused.add_rms_norm_quant_ref(x, residual, weight, eps, group)
 
 
 def torch_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -53,10 +53,11 @@ def case_kernels(case: Case, cfg, block, old_paths: bool):
 
     if case.w8a8_torch:
         kernels = replace(REFERENCE, gemm=block_fp8_matmul_ref, norm_quant=norm_ops.torch_norm_quant,
-                          act_quant=act_ops.torch_act_quant, gemm_q=fp8_ops.torch_linear_q)
+                          act_quant=act_ops.torch_act_quant, add_norm_quant=norm_ops.torch_add_norm_quant,
+                          gemm_q=fp8_ops.torch_linear_q)
     else:
         kernels = default_kernels(cfg, torch.float32, torch.device("cpu"), block)
-    return replace(kernels, norm_quant=None, act_quant=None, gemm_q=None) if old_paths else kernels
+    return replace(kernels, norm_quant=None, act_quant=None, add_norm_quant=None, gemm_q=None) if old_paths else kernels
 
 
 def params_by_checkpoint_name(model, mtp) -> dict[str, torch.Tensor]:

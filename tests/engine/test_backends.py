@@ -122,12 +122,15 @@ def test_build_kernels_gives_the_chosen_callables():
     setup = _setup(CPU, interpret=True)
     choice = kr.resolve_kernels(dict(gemm="triton", rms_norm="triton", moe_gate="triton"), setup)
     assert kr.build_kernels(choice, setup) == Kernels(fp8_ops.triton_linear, norm_ops.triton_rms_norm,
-                                                      gate_ops.triton_gate, comm.all_reduce)
+                                                      gate_ops.triton_gate, comm.all_reduce,
+                                                      add_rms_norm=norm_ops.triton_add_rms_norm)
     ref = kr.build_kernels(kr.resolve_kernels({}, _setup(CPU)), setup)
     assert ref == Kernels(fp8_ops.torch_linear, norm_ops.torch_rms_norm, gate_ops.torch_gate, comm.all_reduce)
     assert kr.GEMM.build("cublas", setup) is fp8_ops.cublas_linear
     fused = kr.build_kernels(kr.resolve_kernels(dict(gemm="triton", norm_quant="triton"), setup), setup)
     assert (fused.norm_quant, fused.gemm_q) == (norm_ops.triton_norm_quant, fp8_ops.triton_linear_q)
+    assert (fused.add_rms_norm, fused.add_norm_quant) == (norm_ops.torch_add_rms_norm, norm_ops.triton_add_norm_quant)
+    assert ref.add_norm_quant is None  # norm_quant off: the residual add goes with the plain norm
     assert ref.rope_cache is None  # the torch form runs op by op in the layer
     act = kr.build_kernels(kr.resolve_kernels(dict(gemm="triton", norm_quant="off", act_quant="triton"), setup), setup)
     assert (act.act_quant, act.gemm_q) == (act_ops.triton_act_quant, fp8_ops.triton_linear_q)

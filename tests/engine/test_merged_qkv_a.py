@@ -178,7 +178,7 @@ def _run_model(new_paths: bool) -> tuple[list[list[int]], list[torch.Tensor], in
     kernels = replace(REFERENCE, gemm=block_fp8_matmul_ref)
     if new_paths:
         kernels = replace(kernels, norm_quant=norm_ops.torch_norm_quant, act_quant=act_ops.torch_act_quant,
-                          gemm_q=gemm_q)
+                          add_norm_quant=norm_ops.torch_add_norm_quant, gemm_q=gemm_q)
     with mock.patch.object(MLA, "merge_qkv_a", MLA.merge_qkv_a if new_paths else lambda self: None):
         model, _ = build_model(cfg, 2, torch.float32, "cpu", BLOCK, seed=3, mtp=False, kernels=kernels)
     assert (model.layers[0].self_attn.qkv_a_proj is not None) == new_paths

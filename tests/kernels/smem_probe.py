@@ -1,4 +1,7 @@
-"""Shared memory of the attention kernels' default configs, compiled for sm_90 on this (CPU) machine.
+"""Shared memory of the attention kernels' default configs, compiled for sm_90 on this (CPU) machine; and the
+small fused kernels of the decode step (kernels/mla_rope_cache.py, kernels/silu_mul_quant.py) compiled the same
+way, because Triton's CPU interpreter runs code its GPU compiler refuses (e.g. a variable of two shapes in the two
+branches of an `if`, which reached a GPU once).
 
 Run as `python -m tests.kernels.smem_probe` without TRITON_INTERPRET (the test suite sets it, and an
 interpreted kernel cannot be compiled): prints one JSON object, case name -> bytes. Used by
@@ -13,21 +16,62 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import mla_decode, mla_extend
+from kernels import mla_decode, mla_extend, mla_rope_cache, rms_norm, rms_norm_quant, silu_mul_quant
 
 _TL = {torch.float32: ("fp32", tl.float32), torch.bfloat16: ("bf16", tl.bfloat16)}
 DECODE_ROWS = (16, 32, 128)  # V2-Lite / TP-8 V3, 16 heads x 2 draft rows, DP-attention V3 at 128 heads
 EXTEND_DIMS = (192, 128)  # DeepSeek's qk (nope + rope) and v head dims
 
 
-def _compile_sm90(fn, signature: dict, constexprs: dict, cfg) -> int:
+def _compile_sm90(fn, signature: dict, constexprs: dict, cfg=None, **options) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    if cfg is not None:
+        options.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                            options=options)
     return kernel.metadata.shared
+
+
+def rope_cache_bytes(cache: str, write: bool) -> int:
+    """kernels/mla_rope_cache.py at DeepSeek-V3's shapes (bf16 activations, 128 heads)."""
+    block, rows, warps = mla_rope_cache.rms_norm_launch_meta(512)
+    sig = {n: "*bf16" for n in ("Q", "L", "W", "QPE", "CKV", "KPE")}
+    sig.update(COS="*fp32", SIN="*fp32", POS="*i64", CACHE=f"*{cache}", SLOTS="*i64", eps="fp32", kv_scale="fp32")
+    sig.update({n: "i32" for n in ("n_rows n_heads stride_qt stride_qh stride_l stride_c stride_ckv "
+                                   "stride_kpe").split()})
+    cons = dict(KV_LORA=512, NOPE=128, HALF=32, BLOCK=block, PAIRS=32, ROWS=rows, HEADS=16, WRITE_CACHE=write,
+                CACHE_FP8=cache == "fp8e4nv", EXACT_ROUND=False)
+    return _compile_sm90(mla_rope_cache._mla_rope_cache_kernel, sig, cons, num_warps=warps, enable_fp_fusion=False)
+
+
+def norm_bytes(quant: bool, residual: bool) -> int:
+    """kernels/rms_norm.py's and kernels/rms_norm_quant.py's kernels at V3's hidden size, with and without the
+    residual add."""
+    block, rows, warps = rms_norm.launch_meta(7168)
+    sig = dict(X="*bf16", R="*bf16", W="*bf16", eps="fp32")
+    ints = "n_rows hidden stride_x stride_r"
+    cons = dict(BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual, EXACT_ROUND=False)
+    if quant:
+        sig.update(SUM="*bf16", Q="*fp8e4nv", S="*fp32", act_eps="fp32")
+        ints += " stride_sum stride_q stride_sm stride_sg"
+        cons.update(GROUP=128, NORM_DTYPE=tl.bfloat16)
+        fn = rms_norm_quant._rms_norm_quant_kernel
+    else:
+        sig.update(S="*bf16", Out="*bf16")
+        ints += " stride_s stride_o"
+        fn = rms_norm._rms_norm_kernel
+    sig.update({n: "i32" for n in ints.split()})
+    return _compile_sm90(fn, sig, cons, num_warps=warps)
+
+
+def silu_mul_quant_bytes() -> int:
+    sig = dict(X="*bf16", Q="*fp8e4nv", S="*fp32", act_eps="fp32")
+    sig.update({n: "i32" for n in "n_rows inter stride_x stride_q stride_sm stride_sg".split()})
+    cons = dict(GROUP=128, GROUPS=silu_mul_quant.GROUPS_PER_PROGRAM, EXACT_ROUND=False)
+    return _compile_sm90(silu_mul_quant._silu_mul_quant_kernel, sig, cons, num_warps=4)
 
 
 def decode_bytes(rows: int, dtype: torch.dtype) -> int:
@@ -66,6 +110,12 @@ def main() -> None:
         for rows in DECODE_ROWS:
             out[f"mla_decode {rows} rows {name}"] = decode_bytes(rows, dtype)
         out[f"mla_extend {name}"] = extend_bytes(dtype)
+    for cache, write in (("bf16", True), ("fp8e4nv", True), ("bf16", False)):
+        out[f"mla_rope_cache {cache} cache{'' if write else ' unwritten'}"] = rope_cache_bytes(cache, write)
+    out["silu_mul_quant bf16"] = silu_mul_quant_bytes()
+    for quant in (False, True):
+        for residual in (False, True):
+            out[f"rms_norm{' quant' if quant else ''}{' + residual' if residual else ''}"] = norm_bytes(quant, residual)
     print(json.dumps(out))
 
 
