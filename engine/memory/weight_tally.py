@@ -10,7 +10,7 @@
 
 `Tally.absorbed` holds the w_kc / w_vc buffers MLA derives from kv_b_proj (model dtype, divided like
 `ATTN`). Linear weights count 1 byte plus a float32 per `fp8_block` block when the tally has one, else the
-model dtype's bytes; other weights (embeddings, norms, router) always the model dtype.
+model dtype's bytes; other weights (embeddings, norms) always the model dtype, the router float32.
 
 Users: the memory plan (engine/memory/plan.py) tallies each part of one rank's weights with it, and
 engine/distributed/step_floor.py the weights a decode step reads. No torch; tests/test_layering.py places
@@ -72,8 +72,9 @@ class Tally:
         self.absorbed += heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank * self.dtype_bytes
 
     def router(self, cfg: ModelConfig) -> None:
-        """An MoE layer's gate (model dtype) and, under noaux_tc, its float32 correction bias: whole on every rank."""
-        self.dense(cfg.n_routed_experts * cfg.hidden_size, REPL)
+        """An MoE layer's gate (float32: the router's logits are float32) and, under noaux_tc, its float32 correction
+        bias: whole on every rank."""
+        self.dense(cfg.n_routed_experts * cfg.hidden_size, REPL, itemsize=4)
         if cfg.topk_method == "noaux_tc":
             self.dense(cfg.n_routed_experts, REPL, itemsize=4)
 

@@ -82,7 +82,10 @@ class MoE(nn.Module):
             self.first_expert = 0
         self.num_local_experts = e
         self.fp8_block = fp8_block
-        self.gate_weight = nn.Parameter(torch.empty(cfg.n_routed_experts, k, dtype=dtype), requires_grad=False)
+        # the router's logits are float32 (as DeepSeek's reference computes them): its weight is kept in float32, so
+        # that no step converts it again (a copy of the whole router per MoE layer and step)
+        self.gate_weight = nn.Parameter(torch.empty(cfg.n_routed_experts, k, dtype=torch.float32),
+                                        requires_grad=False)
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
             if cfg.topk_method == "noaux_tc" else None
@@ -122,7 +125,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, global expert ids [T, k] int32) of the replicated router."""
-        logits = F.linear(x.float(), self.gate_weight.float())
+        logits = F.linear(x.float(), self.gate_weight)
         return select_experts(logits, self.cfg, self.e_score_correction_bias, self.kernels.moe_gate)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -16,7 +16,7 @@ REPL_ATTN = 128 * H + 160 * H  # q_a, kv_a (kv_lora + rope = 160)
 SPLIT_ATTN = 4 * 64 * 128 + 4 * 64 * 128 + H * 4 * 32  # q_b, kv_b (nope + v), o_proj
 DENSE_MLP = 3 * H * 512
 EXPERT = 3 * H * 128
-ROUTER = 16 * H  # + 16 float32 bias
+ROUTER = 16 * H  # float32 (the step reads 4 bytes each), + 16 float32 bias
 KV_DIM = 160
 
 
@@ -32,8 +32,8 @@ def test_bf16_weights_and_kv_per_rank_by_hand(cfg):
     # MoE layer: 2 tokens touch 16 (1 - (1 - 4/16)^2) = 7 experts in expectation, plus the shared one
     moe = layer_bytes(cfg, 1, bs=2, ctx=10, kv_bytes=1, weight_bytes=2, tp=2)
     routed_and_shared = (7 + 1) * EXPERT / 2
-    assert moe["weights"] == pytest.approx(2 * (NORMS + REPL_ATTN + SPLIT_ATTN / 2 + ROUTER + routed_and_shared)
-                                           + 16 * 4)
+    assert moe["weights"] == pytest.approx(2 * (NORMS + REPL_ATTN + SPLIT_ATTN / 2 + routed_and_shared)
+                                           + 4 * ROUTER + 16 * 4)
     assert moe["kv"] == 2 * 10 * KV_DIM * 1
     # the whole step: 4 layers, then lm_head (split), the final norm and 2 embedding rows (replicated)
     top = 2 * (VOCAB * H / 2 + H + 2 * H)
