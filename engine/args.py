@@ -314,8 +314,7 @@ class KernelArgs:
         return {"attention": self.attention, "moe": self.moe_backend, "gemm": self.gemm_backend,
                 "rms_norm": self.rms_norm_backend, "moe_gate": self.moe_gate_backend,
                 "norm_quant": self.norm_quant_backend, "act_quant": self.act_quant_backend,
-                "all_reduce": self.all_reduce_backend,
-                "rope_cache": self.rope_cache_backend}
+                "all_reduce": self.all_reduce_backend, "rope_cache": self.rope_cache_backend}
 
     def config_dir(self) -> Optional[str]:
         """--kernel-config-dir, else $DSCTL_KERNEL_CONFIG_DIR, else None (the shipped configs only)."""

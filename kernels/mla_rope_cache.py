@@ -133,14 +133,19 @@ def _mla_rope_cache_kernel(Q, L, W, COS, SIN, POS, CACHE, SLOTS, QPE, CKV, KPE,
                     PAIRS, ROWS, HEADS, EXACT_ROUND)
 
 
-def supported(q: torch.Tensor, latent: torch.Tensor, norm_weight: torch.Tensor, kv_lora_rank: int) -> bool:
-    """Whether `mla_rope_cache` takes these inputs (else use the reference)."""
+def supported(q: torch.Tensor, latent: torch.Tensor, norm_weight: torch.Tensor, kv_lora_rank: int,
+              cache: Optional[torch.Tensor] = None) -> bool:
+    """Whether `mla_rope_cache` takes these inputs (else use the reference); a cache must hold rows of
+    kv_lora_rank + rope values in e4m3 or in c_kv's dtype."""
     rope = latent.shape[-1] - kv_lora_rank if latent.dim() == 2 else 0
-    return (q.dim() == 3 and latent.dim() == 2 and q.dtype in SUPPORTED_DTYPES and latent.dtype in SUPPORTED_DTYPES
-            and norm_weight.dtype in SUPPORTED_DTYPES and norm_weight.shape == (kv_lora_rank,)
-            and rope > 0 and rope % 2 == 0 and q.shape[-1] > rope and q.stride(-1) == 1 and latent.stride(-1) == 1
-            and q.shape[0] == latent.shape[0] and q.device == latent.device == norm_weight.device
-            and kv_lora_rank <= 16384)
+    ok = (q.dim() == 3 and latent.dim() == 2 and q.dtype in SUPPORTED_DTYPES and latent.dtype in SUPPORTED_DTYPES
+          and norm_weight.dtype in SUPPORTED_DTYPES and norm_weight.shape == (kv_lora_rank,)
+          and rope > 0 and rope % 2 == 0 and q.shape[-1] > rope and q.stride(-1) == 1 and latent.stride(-1) == 1
+          and q.shape[0] == latent.shape[0] and q.device == latent.device == norm_weight.device
+          and kv_lora_rank <= 16384)
+    return ok and (cache is None or (cache.dim() == 2 and cache.shape[1] == kv_lora_rank + rope
+                                     and cache.stride(1) == 1
+                                     and cache.dtype in (FP8_DTYPE, out_dtype(latent, norm_weight))))
 
 
 def mla_rope_cache(q: torch.Tensor, latent: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -151,9 +156,11 @@ def mla_rope_cache(q: torch.Tensor, latent: torch.Tensor, norm_weight: torch.Ten
     [T, kv_lora_rank + rope] (rows may be strided), cos / sin [P, rope / 2] float32, positions [T] ->
     (q_pe [T, H, rope] contiguous in q's dtype, c_kv [T, kv_lora_rank], k_pe [T, rope] in latent's dtype),
     and with `cache` [S, kv_lora_rank + rope] and `slots` [T] each token's cache row written."""
-    if not supported(q, latent, norm_weight, kv_lora_rank):
+    if not supported(q, latent, norm_weight, kv_lora_rank, cache) or (cache is not None and slots is None):
         raise ValueError(f"mla_rope_cache: unsupported q {tuple(q.shape)} {q.dtype} / latent {tuple(latent.shape)} "
-                         f"{latent.dtype} / norm weight {tuple(norm_weight.shape)}")
+                         f"{latent.dtype} / norm weight {tuple(norm_weight.shape)} / cache "
+                         f"{None if cache is None else (tuple(cache.shape), cache.dtype)} (with slots: "
+                         f"{slots is not None})")
     t, heads, qk = q.shape
     rope = latent.shape[1] - kv_lora_rank
     q_pe = torch.empty(t, heads, rope, dtype=q.dtype, device=q.device)
@@ -162,10 +169,6 @@ def mla_rope_cache(q: torch.Tensor, latent: torch.Tensor, norm_weight: torch.Ten
     if t == 0:
         return q_pe, c_kv, k_pe
     write = cache is not None
-    if write and (slots is None or cache.shape[1] != kv_lora_rank + rope or cache.stride(1) != 1):
-        raise ValueError("mla_rope_cache: the cache needs rows of kv_lora_rank + rope values and `slots`")
-    if write and cache.dtype not in (FP8_DTYPE, c_kv.dtype):
-        raise ValueError(f"mla_rope_cache: a {cache.dtype} cache for {c_kv.dtype} values (e4m3 or the same dtype)")
     block, rows, num_warps = rms_norm_launch_meta(kv_lora_rank)
     pairs = triton.next_power_of_2(rope // 2)
     head_block = min(triton.next_power_of_2(heads), max(1, HEAD_PAIRS // (rows * pairs)))

@@ -122,13 +122,19 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
+def residual_supported(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether the fused residual add (here and in kernels/rms_norm_quant.py) takes x and residual: [M, K] rows of
+    one dtype on one device, the last dimension contiguous."""
+    return (x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype and x.stride(-1) == 1
+            and residual.stride(-1) == 1 and residual.device == x.device)
+
+
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm of x + residual, x + residual): the residual add before a norm in the same kernel, the sum
     rounded to x's dtype as torch's add rounds it; the same result as `add_rms_norm_ref`. x and residual
     [M, hidden] of one dtype (rows may be strided, the last dimension contiguous)."""
-    if not (supported(x, weight) and x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
-            and x.stride(-1) == 1 and residual.stride(-1) == 1 and residual.device == x.device):
+    if not (supported(x, weight) and residual_supported(x, residual)):
         raise ValueError(f"add_rms_norm_triton: unsupported x {tuple(x.shape)} {x.dtype} / residual "
                          f"{tuple(residual.shape)} {residual.dtype} / weight {tuple(weight.shape)} {weight.dtype}")
     out = torch.empty(x.shape, dtype=out_dtype(x, weight), device=x.device)

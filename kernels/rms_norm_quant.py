@@ -39,7 +39,7 @@ import triton.language as tl
 from kernels.fp8 import round_to_e4m3_grid
 from kernels.fp8_math import ACT_EPS, FP8_DTYPE, GROUP_SIZE, cdiv, quantize_groups
 from kernels.interpret import interpreting
-from kernels.rms_norm import MAX_HIDDEN, SUPPORTED_DTYPES, normed_tile, out_dtype, rms_norm_ref
+from kernels.rms_norm import MAX_HIDDEN, SUPPORTED_DTYPES, normed_tile, out_dtype, residual_supported, rms_norm_ref
 from kernels.rms_norm import launch_meta as rms_norm_launch_meta  # the same tile: the same sums (see above)
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -96,8 +96,7 @@ def add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """The residual add before the norm in the same kernel: (q, scale) of rms_norm(x + residual) as
     `rms_norm_quant` gives them, and x + residual (rounded as torch's add rounds it, the new residual stream).
     x and residual [M, K] of one dtype, the last dimension contiguous."""
-    if not (supported(x, weight, group) and x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
-            and x.stride(-1) == 1 and residual.stride(-1) == 1 and residual.device == x.device):
+    if not (supported(x, weight, group) and residual_supported(x, residual)):
         raise ValueError(f"add_rms_norm_quant: unsupported x {tuple(x.shape)} {x.dtype} / residual "
                          f"{tuple(residual.shape)} {residual.dtype} / weight {tuple(weight.shape)}, group {group}")
     summed = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -3,7 +3,8 @@
 The memory plan (engine/memory/plan.py) reads weights through this table only. A `Quantization` names the
 format of the linear layers (attention projections, dense MLP, shared experts) and of the routed experts;
 everything else (embeddings, lm_head, norms, the MTP layer's eh_proj, the absorbed w_kc / w_vc) stays in the
-model dtype, and the router in float32 (engine/memory/weight_tally.py). A new scheme is one entry of `QUANTIZATIONS` (or one `register` call).
+model dtype, and the router in float32 (engine/memory/weight_tally.py). A new scheme is one entry of
+`QUANTIZATIONS` (or one `register` call).
 """
 
 from __future__ import annotations

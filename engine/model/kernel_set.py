@@ -7,9 +7,10 @@ module calls its field: Linear `gemm` (block-FP8 weights only), RMSNorm `rms_nor
 and every layer that reduces over its TP group `all_reduce`; MoE layers of a group that exchanges tokens
 (`TPGroup.exchanges_tokens`) send them to their experts' ranks with `moe_a2a`; MLA runs its latent norm, rope and
 KV-cache write with `rope_cache` (None: op by op in torch). A decoder layer's residual adds run inside the norms
-after them: `add_rms_norm` / `add_norm_quant`, the implementations that go with `rms_norm` / `norm_quant`. `norm_quant` (None: off) fuses an RMSNorm with
-the FP8 quantisation of the block-FP8 GEMM it feeds, `act_quant` (None: off) SwiGLU's SiLU(gate) * up with that of
-the down projection; Linear then runs `gemm_q` on the quantised pair.
+after them: `add_rms_norm` / `add_norm_quant`, the implementations that go with `rms_norm` / `norm_quant`.
+`norm_quant` (None: off) fuses an RMSNorm with the FP8 quantisation of the block-FP8 GEMM it feeds, `act_quant`
+(None: off) SwiGLU's SiLU(gate) * up with that of the down projection; Linear then runs `gemm_q` on the quantised
+pair.
 Nothing is looked up per call and no module branches on the device.
 
 Modules built on their own (tests, meta-device shape checks) get `REFERENCE`: the torch form of
@@ -60,9 +61,9 @@ class Kernels:
     gemm_q: Optional[GemmQ] = None  # the `gemm` of a quantised activation (set with norm_quant or act_quant)
     moe_a2a: Optional[TokenExchange] = None  # EP all-to-all of MoE tokens (None: gather + all-reduce)
     act_quant: Optional[ActQuant] = None  # None: SiLU(gate) * up apart from the down GEMM's quantisation
-    rope_cache: Optional[RopeCache] = None
+    rope_cache: Optional[RopeCache] = None  # MLA's latent norm, rope and cache write in one (None: op by op)
     add_rms_norm: AddNorm = norm_ops.torch_add_rms_norm  # a layer's residual add and the norm after it
-    add_norm_quant: Optional[AddNormQuant] = None  # the same, quantised for a block-FP8 GEMM (with norm_quant)  # MLA's latent norm, rope and cache write in one (None: op by op)
+    add_norm_quant: Optional[AddNormQuant] = None  # the same, quantised for a block-FP8 GEMM (with norm_quant)
 
 
 REFERENCE = Kernels(gemm=fp8_ops.torch_linear, rms_norm=norm_ops.torch_rms_norm, moe_gate=gate_ops.torch_gate,

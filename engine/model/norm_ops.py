@@ -49,7 +49,8 @@ def _fp32_on_gpu(x: torch.Tensor) -> bool:
 
 def triton_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if torch.compiler.is_compiling() or not _adds(x, residual) or not kernel.supported(x, weight) or _fp32_on_gpu(x):
+    if (torch.compiler.is_compiling() or not kernel.residual_supported(x, residual) or not kernel.supported(x, weight)
+            or _fp32_on_gpu(x)):
         summed = x + residual
         return triton_rms_norm(summed, weight, eps), summed
     return kernel.add_rms_norm_triton(x, residual, weight, eps)
@@ -57,16 +58,10 @@ def triton_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
 
 def triton_add_norm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                           group: int) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    if (torch.compiler.is_compiling() or not _adds(x, residual) or not fused.supported(x, weight, group)
-            or _fp32_on_gpu(x)):
+    if (torch.compiler.is_compiling() or not kernel.residual_supported(x, residual)
+            or not fused.supported(x, weight, group) or _fp32_on_gpu(x)):
         return None
     return fused.add_rms_norm_quant(x, residual, weight, eps, group)
-
-
-def _adds(x: torch.Tensor, residual: torch.Tensor) -> bool:
-    """Whether the fused add takes x and residual: [M, K] rows of one dtype, the last dimension contiguous."""
-    return (x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype and x.stride(-1) == 1
-            and residual.stride(-1) == 1)
 
 
 torch_add_rms_norm = kernel.add_rms_norm_ref

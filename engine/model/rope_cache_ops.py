@@ -16,7 +16,6 @@ from typing import Optional
 import torch
 
 from kernels import mla_rope_cache as kernel
-from kernels.fp8_math import FP8_DTYPE
 
 
 def triton_rope_cache(q: torch.Tensor, latent: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -24,10 +23,7 @@ def triton_rope_cache(q: torch.Tensor, latent: torch.Tensor, norm_weight: torch.
                       cache: Optional[torch.Tensor], slots: Optional[torch.Tensor],
                       kv_scale: float) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(q_pe contiguous, c_kv, k_pe), the cache rows written when `cache` is given; None where it does not run."""
-    if torch.compiler.is_compiling() or not kernel.supported(q, latent, norm_weight, kv_lora_rank):
-        return None
-    c_kv_dtype = torch.promote_types(latent.dtype, norm_weight.dtype)
-    if cache is not None and cache.dtype not in (FP8_DTYPE, c_kv_dtype):
+    if torch.compiler.is_compiling() or not kernel.supported(q, latent, norm_weight, kv_lora_rank, cache):
         return None
     return kernel.mla_rope_cache(q, latent, norm_weight, eps, cos, sin, positions, kv_lora_rank, cache, slots,
                                  kv_scale)
