@@ -16,6 +16,7 @@ kernels here reproduce on the device.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -147,16 +148,22 @@ def quant_groups(x_ptr, q_ptr, s_ptr, row, gblk, K, stride_xm, stride_qm, stride
 
 
 @triton.jit(do_not_specialize=["M"])
-def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
+def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, count_ptr, M, N, K,
                            stride_am, stride_ak, stride_asm, stride_asg,
                            stride_bn, stride_bk, stride_bsn, stride_bsk, stride_cm, stride_cn,
                            GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, QUANT_A: tl.constexpr,
                            BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
-                           BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
+                           BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr, SPLIT_K: tl.constexpr,
                            EXACT_ROUND: tl.constexpr):
     """C = A @ B.T. A is e4m3 with 1 x GROUP_K scales (as_ptr), or, with QUANT_A, bf16/fp32
-    quantised here tile by tile (BLOCK_SIZE_K == GROUP_K). B [N, K] e4m3, GROUP_N x GROUP_K scales."""
+    quantised here tile by tile (BLOCK_SIZE_K == GROUP_K). B [N, K] e4m3, GROUP_N x GROUP_K scales.
+
+    With SPLIT_K > 1, program (tile, s) sums the s-th of SPLIT_K contiguous runs of K blocks into
+    its float32 slot of ws; the last of a tile's programs to finish (counted in count_ptr[tile])
+    adds the SPLIT_K slots in order 0..SPLIT_K-1, so the result does not depend on which finished
+    last, stores C and sets the count back to 0 for the next launch (or CUDA-graph replay)."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M)
@@ -166,8 +173,12 @@ def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
     rows = (offs_m % M).to(tl.int64)  # wrap: out-of-range rows read valid memory, never stored
     cols = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_SIZE_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + cols[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    k_blocks = tl.cdiv(K, BLOCK_SIZE_K)
+    per_split = tl.cdiv(k_blocks, SPLIT_K)
+    k_first = split * per_split
+    k_end = tl.minimum(k_first + per_split, k_blocks)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + (k_first * BLOCK_SIZE_K + offs_k[None, :]) * stride_ak
+    b_ptrs = b_ptr + cols[None, :] * stride_bn + (k_first * BLOCK_SIZE_K + offs_k[:, None]) * stride_bk
     as_ptrs = as_ptr + rows * stride_asm
     if BLOCK_SIZE_N <= GROUP_N:  # the whole tile shares one weight-scale row
         bs_ptrs = bs_ptr + ((pid_n * BLOCK_SIZE_N) // GROUP_N) * stride_bsn
@@ -175,7 +186,7 @@ def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
         bs_ptrs = bs_ptr + (cols // GROUP_N) * stride_bsn
 
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+    for kk in range(k_first, k_end):
         k_left = K - kk * BLOCK_SIZE_K
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
@@ -195,7 +206,21 @@ def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
 
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(c_ptrs, store_cast(acc, c_ptr, EXACT_ROUND), mask=mask)
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, store_cast(acc, c_ptr, EXACT_ROUND), mask=mask)
+    else:
+        tile_elems: tl.constexpr = BLOCK_SIZE_M * BLOCK_SIZE_N
+        local = tl.arange(0, BLOCK_SIZE_M)[:, None] * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)[None, :]
+        slots = ws_ptr + pid.to(tl.int64) * (SPLIT_K * tile_elems) + local
+        tl.store(slots + split * tile_elems, acc)
+        tl.debug_barrier()  # every thread's partial is written before the count says so
+        done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(slots + s * tile_elems, cache_modifier=".cg")
+            tl.store(c_ptrs, store_cast(total, c_ptr, EXACT_ROUND), mask=mask)
+            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -279,7 +304,8 @@ def block_fp8_matmul(a: torch.Tensor, b_fp8: torch.Tensor, b_scale: torch.Tensor
     unless `out_dtype` says otherwise (or is written into `out`, [M, N] with any strides,
     M = a's rows). `config` (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages,
     optional QUANT_A; CUBLAS=1 takes cuBLASLt's block-scaled FP8 GEMM where torch offers it and
-    K % 512 == 0, else the Triton kernel with the same dict) defaults to the tuned file for
+    K % 512 == 0, else the Triton kernel with the same dict; optional SPLIT_K, the number of parts the
+    Triton kernel's K loop is split into, else `split_k_for`'s choice) defaults to the tuned file for
     (N, K) at the M nearest a's rows. `cublas=False` ignores the CUBLAS key (the Triton kernel only).
     """
     k = b_fp8.shape[1]
@@ -390,6 +416,39 @@ def cublas_block_fp8_matmul(aq, a_scale, b_fp8, b_scale, out_dtype=torch.bfloat1
     return res
 
 
+SPLIT_K_MIN_BLOCKS = 4  # K blocks (of BLOCK_SIZE_K) each split sums at least
+SPLIT_K_PROGRAMS_PER_SM = 2  # the automatic split aims at this many programs per SM
+COUNT_SLOTS = 4096  # tiles one split-K launch may have (one arrival count per tile)
+_arrival_counts: dict = {}  # device -> int32 zeros, COUNT_SLOTS of them; each launch leaves them at 0
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k_for(tiles: int, k_blocks: int, device: torch.device, cfg: dict) -> int:
+    """How many parts the K loop of a launch with `tiles` output tiles is split into: the config's
+    SPLIT_K when it has one (a tuned file's), else, on a GPU, enough parts that the launch has about
+    SPLIT_K_PROGRAMS_PER_SM programs per SM (a decode-sized GEMM has a few dozen tiles for 132 SMs),
+    each summing at least SPLIT_K_MIN_BLOCKS K blocks. 1 (no split) on CPU or past COUNT_SLOTS tiles."""
+    if tiles > COUNT_SLOTS:
+        return 1
+    if "SPLIT_K" in cfg:
+        return max(1, min(int(cfg["SPLIT_K"]), k_blocks))
+    if device.type != "cuda":
+        return 1
+    want = cdiv(SPLIT_K_PROGRAMS_PER_SM * _sm_count(device), tiles)
+    return max(1, min(want, k_blocks // SPLIT_K_MIN_BLOCKS))
+
+
+def _arrivals(device: torch.device) -> torch.Tensor:
+    counts = _arrival_counts.get(device)
+    if counts is None:
+        counts = _arrival_counts[device] = torch.zeros(COUNT_SLOTS, dtype=torch.int32, device=device)
+    return counts
+
+
 def _block_gemm(a, a_s, b_fp8, b_scale, block, out_dtype, cfg, out):
     """Launch the block GEMM; a_s None means a is bf16/fp32, quantised inside the kernel."""
     bn, bk = block
@@ -406,14 +465,21 @@ def _block_gemm(a, a_s, b_fp8, b_scale, block, out_dtype, cfg, out):
     if m == 0 or n == 0:
         return out
     quant_a = a_s is None
+    block_m, block_n = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"]
     block_k = bk if quant_a else min(cfg["BLOCK_SIZE_K"], bk)
-    grid = (triton.cdiv(m, cfg["BLOCK_SIZE_M"]) * triton.cdiv(n, cfg["BLOCK_SIZE_N"]),)
-    _block_fp8_gemm_kernel[grid](
-        a, a if quant_a else a_s, b_fp8, b_scale, out, m, n, k,
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = split_k_for(tiles, cdiv(k, block_k), a.device, cfg)
+    if split > 1:
+        partials = torch.empty(tiles * split * block_m * block_n, dtype=torch.float32, device=a.device)
+        counts = _arrivals(a.device)
+    else:
+        partials = counts = out  # not read without a split
+    _block_fp8_gemm_kernel[(tiles, split)](
+        a, a if quant_a else a_s, b_fp8, b_scale, out, partials, counts, m, n, k,
         a.stride(0), a.stride(1), *((0, 0) if quant_a else (a_s.stride(0), a_s.stride(1))),
         b_fp8.stride(0), b_fp8.stride(1), b_scale.stride(0), b_scale.stride(1), out.stride(0), out.stride(1),
-        GROUP_N=bn, GROUP_K=bk, QUANT_A=quant_a, BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"],
-        BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"], BLOCK_SIZE_K=block_k, GROUP_SIZE_M=cfg.get("GROUP_SIZE_M", 1),
+        GROUP_N=bn, GROUP_K=bk, QUANT_A=quant_a, BLOCK_SIZE_M=block_m,
+        BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k, GROUP_SIZE_M=cfg.get("GROUP_SIZE_M", 1), SPLIT_K=split,
         EXACT_ROUND=interpreting(), num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
     return out
 

@@ -8,7 +8,9 @@ Files (JSON: {"<batch size M>": {"BLOCK_SIZE_M": .., "BLOCK_SIZE_N": .., "BLOCK_
 GPU names are torch's device name with spaces -> underscores (NVIDIA_H100_80GB_HBM3, NVIDIA_H200).
 Optional keys: QUANT_A (the GEMM quantises its own activation tiles), <KEY>_DOWN (fused MoE:
 <KEY> for the down-projection GEMM only), CUBLAS (block GEMM: cuBLASLt's block-scaled FP8
-GEMM where available, the Triton tiles of the same dict otherwise).
+GEMM where available, the Triton tiles of the same dict otherwise), SPLIT_K (block GEMM: the Triton kernel's
+K loop in that many parts, summed by the last program of each tile; without the key kernels/fp8.py picks one
+for launches with too few tiles to fill the GPU).
 
 Search order: the user directory (the `user_dir` argument, else the one registered with
 `set_user_config_dir`, which the engine's ModelRunner does with --kernel-config-dir), then the

@@ -26,6 +26,7 @@ from typing import Optional
 from engine.checkpoint.config import ModelConfig, load_config, parse_config
 from engine.checkpoint.registry import lookup
 from engine.errors import UsageError
+from kernels.fp8_math import WEIGHT_BLOCK
 from kernels.int4 import INT4_GROUP
 from kernels.tuned_configs import fp8_gemm_config_filename, moe_config_filename
 
@@ -165,16 +166,16 @@ def _linear_layers(cfg: ModelConfig, tp: int) -> list[tuple[str, int, int]]:
 
 
 def gemm_shapes(cfg: ModelConfig, tp: int = 1, layers: Optional[list[str]] = None) -> list[GemmShape]:
-    """The distinct (N, K) block-FP8 GEMMs of the model at this TP, each with the layers that use it.
+    """The distinct (N, K) block-FP8 GEMMs of the model at this TP, each with the layers that use it (for a bf16
+    checkpoint, those `--quantization fp8` serves).
 
     `layers` keeps only shapes used by a layer whose name contains one of the strings."""
-    if cfg.fp8 is None:
-        raise UsageError("this checkpoint has no FP8 linear layers (no fp8 quantization_config): "
-                         "nothing for tune-fp8 to tune")
-    block = (cfg.fp8.block_n, cfg.fp8.block_k)
+    # a bf16 checkpoint (V2, V2-Lite): the shapes `--quantization fp8` serves, in its 128 x 128 weight blocks
+    block = (cfg.fp8.block_n, cfg.fp8.block_k) if cfg.fp8 else WEIGHT_BLOCK
     by_nk: dict[tuple[int, int], list[str]] = {}
     for name, n, k in _linear_layers(cfg, tp):
-        _check_block(k, block[1], f"{name}'s per-rank input size")
+        if cfg.fp8:  # a checkpoint's scales shard along whole blocks; --quantization fp8 scales each rank's slice
+            _check_block(k, block[1], f"{name}'s per-rank input size")
         by_nk.setdefault((n, k), []).append(name)
     shapes = [GemmShape(n, k, tuple(names), block) for (n, k), names in by_nk.items()]
     if layers:

@@ -64,6 +64,9 @@ class MoETarget:
         return winner
 
 
+SPLIT_K_CHOICES = (1, 2, 4, 8)  # explicit K splits timed for the best tiles (1: none, whatever the GPU)
+
+
 class GemmTarget:
     kind = "gemm"
     command = "tune-fp8"
@@ -100,20 +103,24 @@ class GemmTarget:
         return []
 
     def extras(self, cfg: dict, device) -> list[dict]:
-        """cuBLASLt's block-scaled GEMM, where this torch / GPU / shape has it (CUBLAS: 1)."""
+        """The best tiles with the K loop split in SPLIT_K_CHOICES parts (the search itself runs the kernel's
+        automatic split), and cuBLASLt's block-scaled GEMM where this torch / GPU / shape has it (CUBLAS: 1)."""
         from kernels.fp8 import cublas_block_fp8_supported  # lazy: imports triton; keeps --dry-run (CPU) off it
 
+        tiles = triton_part(cfg)
+        k_blocks = -(-self.shape.K // tiles["BLOCK_SIZE_K"])
+        out = [{**tiles, "SPLIT_K": s} for s in SPLIT_K_CHOICES if s <= k_blocks]
         if cublas_block_fp8_supported(device, self.shape.block_shape, self.shape.K, self.shape.N):
-            return [{**triton_part(cfg), "CUBLAS": 1}]
-        return []
+            out.append({**tiles, "CUBLAS": 1})
+        return out
 
     def finalize(self, winner: dict, ranked: list[dict]) -> dict:
         """A cuBLAS winner keeps the fastest Triton tiles as its fallback (used where cuBLAS is not)."""
         if not winner.get("CUBLAS"):
             return winner
         best_triton: Optional[dict] = next((c for c in ranked if not c.get("CUBLAS")), None)
-        return {**triton_part(best_triton or winner), "CUBLAS": 1}
+        return {**{k: v for k, v in (best_triton or winner).items() if k != "CUBLAS"}, "CUBLAS": 1}
 
 
 def triton_part(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k != "CUBLAS"}
+    return {k: v for k, v in cfg.items() if k not in ("CUBLAS", "SPLIT_K")}

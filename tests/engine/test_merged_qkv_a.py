@@ -36,6 +36,8 @@ from kernels.fp8 import block_fp8_matmul_ref
 from kernels.fp8_math import dequant_block_fp8, quantize_block_fp8
 
 BLOCK = (128, 128)
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton kernels on CPU tensors (the interpreter); "
+                              "on a GPU the gpu-marked test below runs them")
 FUSED = replace(REFERENCE, gemm=fp8_ops.triton_linear, norm_quant=norm_ops.triton_norm_quant,
                 gemm_q=fp8_ops.triton_linear_q)
 OLD_TRITON = replace(REFERENCE, gemm=fp8_ops.triton_linear, rms_norm=norm_ops.triton_rms_norm)  # the engine's, off
@@ -61,7 +63,8 @@ def _fill(module: torch.nn.Module, seed: int) -> None:
             m.weight.data.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=g))
 
 
-@pytest.mark.parametrize("fp8,gemm", [(False, None), (True, fp8_ops.torch_linear), (True, fp8_ops.triton_linear)],
+@pytest.mark.parametrize("fp8,gemm", [(False, None), (True, fp8_ops.torch_linear),
+                                     pytest.param(True, fp8_ops.triton_linear, marks=cpu_only)],
                          ids=["fp32", "fp8-torch", "fp8-triton"])
 def test_merged_projection_equals_the_two(fp8, gemm):
     cfg = _cfg()  # q_lora 128 (one block), kv_a 128 + 32 = 160 rows (one and a quarter blocks)
@@ -109,6 +112,7 @@ def test_unaligned_or_absent_q_a_stays_apart():
     assert lite.qkv_a_proj is None and lite.input_linears() == (lite.q_proj, lite.kv_a_proj_with_mqa)
 
 
+@cpu_only
 def test_norm_for_fp8_linears_hands_them_the_quantised_pair():
     norm = RMSNorm(256, 1e-6, torch.float32, FUSED)
     lin = Linear(256, 288, torch.float32, BLOCK, FUSED)

@@ -1,6 +1,6 @@
 """Shared memory of the attention kernels' default configs, compiled for sm_90 on this (CPU) machine; and the
-small fused kernels of the decode step (kernels/mla_rope_cache.py, kernels/silu_mul_quant.py) compiled the same
-way, because Triton's CPU interpreter runs code its GPU compiler refuses (e.g. a variable of two shapes in the two
+small fused kernels of the decode step (kernels/mla_rope_cache.py, kernels/silu_mul_quant.py, the norms, the
+block-FP8 GEMM with its split-K reduction) compiled the same way, because Triton's CPU interpreter runs code its GPU compiler refuses (e.g. a variable of two shapes in the two
 branches of an `if`, which reached a GPU once).
 
 Run as `python -m tests.kernels.smem_probe` without TRITON_INTERPRET (the test suite sets it, and an
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import mla_decode, mla_extend, mla_rope_cache, rms_norm, rms_norm_quant, silu_mul_quant
+from kernels import fp8, mla_decode, mla_extend, mla_rope_cache, rms_norm, rms_norm_quant, silu_mul_quant
 
 _TL = {torch.float32: ("fp32", tl.float32), torch.bfloat16: ("bf16", tl.bfloat16)}
 DECODE_ROWS = (16, 32, 128)  # V2-Lite / TP-8 V3, 16 heads x 2 draft rows, DP-attention V3 at 128 heads
@@ -74,6 +74,19 @@ def silu_mul_quant_bytes() -> int:
     return _compile_sm90(silu_mul_quant._silu_mul_quant_kernel, sig, cons, num_warps=4)
 
 
+def block_gemm_bytes(split_k: int, quant_a: bool) -> int:
+    """kernels/fp8.py's block-FP8 GEMM as a decode step runs it (a 16 x 32 tile, 5 stages), with and without the
+    split-K reduction (partials, arrival counts)."""
+    sig = dict(a_ptr="*bf16" if quant_a else "*fp8e4nv", as_ptr="*bf16" if quant_a else "*fp32", b_ptr="*fp8e4nv",
+               bs_ptr="*fp32", c_ptr="*bf16", ws_ptr="*fp32" if split_k > 1 else "*bf16",
+               count_ptr="*i32" if split_k > 1 else "*bf16")
+    sig.update({n: "i32" for n in ("M N K stride_am stride_ak stride_asm stride_asg stride_bn stride_bk "
+                                   "stride_bsn stride_bsk stride_cm stride_cn").split()})
+    cons = dict(GROUP_N=128, GROUP_K=128, QUANT_A=quant_a, BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=128,
+                GROUP_SIZE_M=1, SPLIT_K=split_k, EXACT_ROUND=False)
+    return _compile_sm90(fp8._block_fp8_gemm_kernel, sig, cons, num_warps=4, num_stages=5)
+
+
 def decode_bytes(rows: int, dtype: torch.dtype) -> int:
     cfg = mla_decode.default_config(rows, dtype)
     ptr, compute = _TL[dtype]
@@ -116,6 +129,8 @@ def main() -> None:
     for quant in (False, True):
         for residual in (False, True):
             out[f"rms_norm{' quant' if quant else ''}{' + residual' if residual else ''}"] = norm_bytes(quant, residual)
+    for split_k, quant_a in ((1, False), (4, False), (4, True)):
+        out[f"block_fp8_gemm split {split_k}{' quant' if quant_a else ''}"] = block_gemm_bytes(split_k, quant_a)
     print(json.dumps(out))
 
 

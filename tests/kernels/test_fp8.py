@@ -176,6 +176,71 @@ def test_block_fp8_matmul_cublas_false_ignores_the_cublas_key(monkeypatch, poiso
     assert calls == [(5, 512)] and _rel(out, block_fp8_matmul_ref(a, wq, ws)) < 1e-5
 
 
+@cpu_only
+@pytest.mark.parametrize("split", [2, 3, 4])
+@pytest.mark.parametrize("cfg", [CFGS[0], CFGS[2]], ids=["prequant", "quant_in_gemm"])
+def test_block_fp8_matmul_split_k(poison, cfg, split):
+    """K cut into `split` runs of blocks (5 blocks: 3+2, 2+2+1, 2+2+1+none), each tile's partials summed by its
+    last program in split order: within float32 reordering of the unsplit result, the arrival counts back at 0
+    (a second launch, as a CUDA-graph replay, gives the same bits)."""
+    import kernels.fp8 as fp8
+
+    a = _rand(3, 5 * 128 - 40, seed=split)
+    wq, ws = quantize_block_fp8(torch.randn(100, a.shape[1], generator=torch.Generator().manual_seed(5)) * 0.1)
+    whole = block_fp8_matmul(a, wq, ws, config=cfg)
+    out = block_fp8_matmul(a, wq, ws, config=dict(cfg, SPLIT_K=split))
+    assert (out - whole).abs().max() <= 1e-5 * whole.abs().max() and not torch.equal(out, torch.zeros_like(out))
+    assert _rel(out, block_fp8_matmul_ref(a, wq, ws)) < 1e-5
+    assert not fp8._arrivals(a.device).any()
+    assert torch.equal(block_fp8_matmul(a, wq, ws, config=dict(cfg, SPLIT_K=split)), out)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the split-K reduction across SMs needs a CUDA GPU")
+@pytest.mark.parametrize("m,n,k", [(1, 2112, 7168), (3, 5120, 4096), (16, 1536, 5120)])  # V3 TP 1, V2 TP 4
+def test_block_fp8_matmul_split_k_gpu(m, n, k):
+    """At decode shapes on the GPU: every split (and the automatic one) within float32 reordering of the unsplit
+    GEMM, the same bits on every launch and in a CUDA graph's replays (the last program of a tile always sums
+    the parts in split order), and the arrival counts back at 0."""
+    import kernels.fp8 as fp8
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda", generator=g) * 0.05)
+    cfg = dict(CFGS[0], num_stages=4)
+    whole = block_fp8_matmul(a, wq, ws, config=dict(cfg, SPLIT_K=1)).float()
+    for split_cfg in [cfg] + [dict(cfg, SPLIT_K=s) for s in (2, 3, 4, 8)]:
+        outs = [block_fp8_matmul(a, wq, ws, config=split_cfg) for _ in range(5)]
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        assert _rel(outs[0].float(), whole) < 1e-2
+        buf = torch.empty_like(outs[0])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            block_fp8_matmul(a, wq, ws, config=split_cfg, out=buf)
+        for _ in range(3):
+            buf.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(buf, outs[0])
+    torch.cuda.synchronize()
+    assert not fp8._arrivals(a.device).any()
+
+
+def test_split_k_choice(monkeypatch):
+    """A tuned SPLIT_K wins (clamped to the K blocks); no split off the GPU, past the count slots, or where the
+    tiles already fill the SMs; otherwise about two programs per SM with at least 4 K blocks per part."""
+    import kernels.fp8 as fp8
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert fp8.split_k_for(10, 56, cpu, {"SPLIT_K": 3}) == 3 and fp8.split_k_for(10, 2, cpu, {"SPLIT_K": 3}) == 2
+    assert fp8.split_k_for(10, 56, cpu, {}) == 1
+    assert fp8.split_k_for(fp8.COUNT_SLOTS + 1, 56, cpu, {"SPLIT_K": 3}) == 1
+    monkeypatch.setattr(fp8, "_sm_count", lambda device: 132)
+    assert fp8.split_k_for(66, 56, gpu, {}) == 4  # q_a + kv_a at TP 1, 32-wide tiles
+    assert fp8.split_k_for(33, 40, gpu, {}) == 8  # the same at V2's hidden 5120, 64-wide tiles
+    assert fp8.split_k_for(33, 12, gpu, {}) == 3  # short K: at least 4 blocks a part
+    assert fp8.split_k_for(288, 56, gpu, {}) == 1  # tiles enough
+    assert fp8.split_k_for(66, 56, gpu, {"SPLIT_K": 1}) == 1  # a tuned file can turn it off
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt block-scaled FP8 needs a CUDA GPU")
 @pytest.mark.parametrize("k", [1024, 2304])  # 2304: K % 512 != 0 must take the Triton kernel
 def test_block_fp8_matmul_cublas_gpu(k):

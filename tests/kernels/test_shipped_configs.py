@@ -50,6 +50,13 @@ def test_h200_fused_moe_config_shipped(model, tp, ep):
     _check(SHIPPED / moe_shape(load_model_config(model), tp=tp, ep=ep).filename(H200), largest_m=512)
 
 
+def test_v2_tp4_decode_gemm_configs_shipped():
+    """V2 (bf16, served with --quantization fp8) at TP 4 on an H100: every GEMM tuned for decode batches
+    (M 1-16, split-K included; beyond 32 rows the engine takes the default, cuBLASLt from M = 16)."""
+    for shape in gemm_shapes(load_model_config("deepseek-v2"), tp=4):
+        _check(SHIPPED / shape.filename(H100), largest_m=16)
+
+
 def test_h200_every_block_fp8_gemm_config_shipped():
     for shape in gemm_shapes(load_model_config("deepseek-v3"), tp=1):
         _check(SHIPPED / shape.filename(H200), largest_m=64)

@@ -74,6 +74,27 @@ def test_gemm_file_round_trip(tmp_path):
     assert got == _cfg(16, 128, {"CUBLAS": 1})
 
 
+def test_gemm_extras_time_k_splits_and_a_cublas_winner_keeps_the_triton_split(monkeypatch):
+    """The best tiles are timed again with the K loop in 1, 2, 4 and 8 parts (no more parts than K blocks), plus
+    cuBLASLt where it runs; a cuBLASLt winner's Triton fallback keeps the split it was timed with."""
+    import kernels.fp8 as fp8
+    from tuning.shapes import gemm_shapes
+    from tuning.targets import GemmTarget
+
+    v3 = load_model_config("deepseek-v3")
+    o_proj = GemmTarget(gemm_shapes(v3, tp=8, layers=["o_proj"])[0])  # K = 2048: 16 blocks
+    best = dict(_cfg(16, 64), SPLIT_K=3)
+    monkeypatch.setattr(fp8, "cublas_block_fp8_supported", lambda *a: False)
+    assert [c.get("SPLIT_K") for c in o_proj.extras(best, "cuda")] == [1, 2, 4, 8]
+    assert all(c["BLOCK_SIZE_N"] == 64 and "CUBLAS" not in c for c in o_proj.extras(best, "cuda"))
+    shared_down = GemmTarget(gemm_shapes(v3, tp=8, layers=["shared_experts.down"])[0])  # K = 256: 2 blocks
+    assert [c.get("SPLIT_K") for c in shared_down.extras(_cfg(16, 64), "cuda")] == [1, 2]
+    monkeypatch.setattr(fp8, "cublas_block_fp8_supported", lambda *a: True)
+    assert o_proj.extras(best, "cuda")[-1] == dict(_cfg(16, 64), CUBLAS=1)
+    ranked = [dict(_cfg(16, 64), CUBLAS=1), dict(_cfg(16, 32), SPLIT_K=4)]
+    assert o_proj.finalize(ranked[0], ranked) == dict(_cfg(16, 32), SPLIT_K=4, CUBLAS=1)
+
+
 def test_resume_after_kill(tmp_path, target, monkeypatch):
     """A run killed after M=1 and M=2: --resume tunes only the rest and the file ends complete."""
     out = tmp_path / target.filename(DEVICE)

@@ -57,9 +57,13 @@ def test_v3_tp8_gemm_shapes(v3):
     assert (tc.SHIPPED_DIR / name).is_file()
 
 
-def test_bf16_model_has_no_fp8_gemms():
-    with pytest.raises(UsageError, match="no FP8"):
-        gemm_shapes(load_model_config("deepseek-v2-lite"), tp=1)
+def test_bf16_model_lists_the_gemms_quantization_fp8_serves():
+    """V2 is a bf16 checkpoint served with --quantization fp8 (128 x 128 blocks of each rank's slice): tune-fp8
+    tunes those shapes; a rank's K need not be whole blocks (V2-Lite's 10,944-wide dense MLP)."""
+    v2 = {(s.N, s.K) for s in gemm_shapes(load_model_config("deepseek-v2"), tp=4)}
+    assert {(2112, 5120), (5120, 4096), (1536, 5120), (5120, 768)} <= v2
+    assert all(s.block_shape == (128, 128) for s in gemm_shapes(load_model_config("deepseek-v2"), tp=4))
+    assert (2048, 10944) in {(s.N, s.K) for s in gemm_shapes(load_model_config("deepseek-v2-lite"), tp=1)}
 
 
 def test_batch_sizes():
