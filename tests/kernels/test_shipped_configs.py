@@ -50,11 +50,16 @@ def test_h200_fused_moe_config_shipped(model, tp, ep):
     _check(SHIPPED / moe_shape(load_model_config(model), tp=tp, ep=ep).filename(H200), largest_m=512)
 
 
-def test_v2_tp4_decode_gemm_configs_shipped():
-    """V2 (bf16, served with --quantization fp8) at TP 4 on an H100: every GEMM tuned for decode batches
-    (M 1-16, split-K included; beyond 32 rows the engine takes the default, cuBLASLt from M = 16)."""
-    for shape in gemm_shapes(load_model_config("deepseek-v2"), tp=4):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_v2_decode_configs_shipped(tp):
+    """V2 (bf16, served with --quantization fp8) at TP 2 and 4 on an H100: every GEMM tuned for decode batches
+    (M 1-16, split-K included; beyond 32 rows the engine takes the default, cuBLASLt from M = 16); at TP 4 also
+    the fused MoE (E=160, N=384 fp8, M 1-256)."""
+    v2 = load_model_config("deepseek-v2")
+    for shape in gemm_shapes(v2, tp=tp):
         _check(SHIPPED / shape.filename(H100), largest_m=16)
+    if tp == 4:
+        _check(SHIPPED / moe_shape(v2, tp=4, dtype="fp8_w8a8").filename(H100), largest_m=256)
 
 
 def test_h200_every_block_fp8_gemm_config_shipped():
