@@ -16,7 +16,6 @@ kernels here reproduce on the device.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -34,6 +33,7 @@ from kernels.fp8_math import (
     quantize_groups,
 )
 from kernels.interpret import interpreting
+from kernels.split_k import arrivals, arrive, scratch, split_k_for, sum_slots, tile_slots
 from kernels.tile_order import grouped_tile
 from kernels.tuned_configs import get_fp8_gemm_config
 
@@ -158,10 +158,8 @@ def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, count_pt
     """C = A @ B.T. A is e4m3 with 1 x GROUP_K scales (as_ptr), or, with QUANT_A, bf16/fp32
     quantised here tile by tile (BLOCK_SIZE_K == GROUP_K). B [N, K] e4m3, GROUP_N x GROUP_K scales.
 
-    With SPLIT_K > 1, program (tile, s) sums the s-th of SPLIT_K contiguous runs of K blocks into
-    its float32 slot of ws; the last of a tile's programs to finish (counted in count_ptr[tile])
-    adds the SPLIT_K slots in order 0..SPLIT_K-1, so the result does not depend on which finished
-    last, stores C and sets the count back to 0 for the next launch (or CUDA-graph replay)."""
+    With SPLIT_K > 1, program (tile, s) sums the s-th of SPLIT_K runs of K blocks into its float32 slot
+    of ws, and the last of the tile's programs to arrive stores C (kernels/split_k.py)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
@@ -209,18 +207,11 @@ def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, count_pt
     if SPLIT_K == 1:
         tl.store(c_ptrs, store_cast(acc, c_ptr, EXACT_ROUND), mask=mask)
     else:
-        tile_elems: tl.constexpr = BLOCK_SIZE_M * BLOCK_SIZE_N
-        local = tl.arange(0, BLOCK_SIZE_M)[:, None] * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)[None, :]
-        slots = ws_ptr + pid.to(tl.int64) * (SPLIT_K * tile_elems) + local
-        tl.store(slots + split * tile_elems, acc)
-        tl.debug_barrier()  # every thread's partial is written before the count says so
-        done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(slots + s * tile_elems, cache_modifier=".cg")
+        slots = tile_slots(ws_ptr, pid, SPLIT_K, BLOCK_SIZE_M, BLOCK_SIZE_N)
+        tl.store(slots + split * (BLOCK_SIZE_M * BLOCK_SIZE_N), acc)
+        if arrive(count_ptr, pid, SPLIT_K):
+            total = sum_slots(slots, 0, SPLIT_K, BLOCK_SIZE_M, BLOCK_SIZE_N)
             tl.store(c_ptrs, store_cast(total, c_ptr, EXACT_ROUND), mask=mask)
-            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -416,39 +407,6 @@ def cublas_block_fp8_matmul(aq, a_scale, b_fp8, b_scale, out_dtype=torch.bfloat1
     return res
 
 
-SPLIT_K_MIN_BLOCKS = 4  # K blocks (of BLOCK_SIZE_K) each split sums at least
-SPLIT_K_PROGRAMS_PER_SM = 2  # the automatic split aims at this many programs per SM
-COUNT_SLOTS = 4096  # tiles one split-K launch may have (one arrival count per tile)
-_arrival_counts: dict = {}  # device -> int32 zeros, COUNT_SLOTS of them; each launch leaves them at 0
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def split_k_for(tiles: int, k_blocks: int, device: torch.device, cfg: dict) -> int:
-    """How many parts the K loop of a launch with `tiles` output tiles is split into: the config's
-    SPLIT_K when it has one (a tuned file's), else, on a GPU, enough parts that the launch has about
-    SPLIT_K_PROGRAMS_PER_SM programs per SM (a decode-sized GEMM has a few dozen tiles for 132 SMs),
-    each summing at least SPLIT_K_MIN_BLOCKS K blocks. 1 (no split) on CPU or past COUNT_SLOTS tiles."""
-    if tiles > COUNT_SLOTS:
-        return 1
-    if "SPLIT_K" in cfg:
-        return max(1, min(int(cfg["SPLIT_K"]), k_blocks))
-    if device.type != "cuda":
-        return 1
-    want = cdiv(SPLIT_K_PROGRAMS_PER_SM * _sm_count(device), tiles)
-    return max(1, min(want, k_blocks // SPLIT_K_MIN_BLOCKS))
-
-
-def _arrivals(device: torch.device) -> torch.Tensor:
-    counts = _arrival_counts.get(device)
-    if counts is None:
-        counts = _arrival_counts[device] = torch.zeros(COUNT_SLOTS, dtype=torch.int32, device=device)
-    return counts
-
-
 def _block_gemm(a, a_s, b_fp8, b_scale, block, out_dtype, cfg, out):
     """Launch the block GEMM; a_s None means a is bf16/fp32, quantised inside the kernel."""
     bn, bk = block
@@ -470,8 +428,7 @@ def _block_gemm(a, a_s, b_fp8, b_scale, block, out_dtype, cfg, out):
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = split_k_for(tiles, cdiv(k, block_k), a.device, cfg)
     if split > 1:
-        partials = torch.empty(tiles * split * block_m * block_n, dtype=torch.float32, device=a.device)
-        counts = _arrivals(a.device)
+        partials, counts = scratch(tiles, split, block_m, block_n, a.device), arrivals(a.device)
     else:
         partials = counts = out  # not read without a split
     _block_fp8_gemm_kernel[(tiles, split)](

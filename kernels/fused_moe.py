@@ -41,6 +41,7 @@ from kernels.moe_common import (
     split_config,
     tile_rows,
 )
+from kernels.split_k import arrivals, arrive, scratch, split_k_for, sum_slots, tile_slots
 from kernels.tile_order import grouped_tile
 from kernels.tuned_configs import get_moe_config, moe_dtype_name
 
@@ -100,20 +101,23 @@ def _moe_gemm_kernel(
         N, K, num_valid, num_pid_m, up_offset,
         stride_am, stride_ak, stride_asm, stride_ask,
         stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
-        stride_cm, stride_cn,
+        stride_cm, stride_cn, ws_ptr, count_ptr,
         A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, USE_FP8: tl.constexpr,
         QUANT_A: tl.constexpr, INTERPRET: tl.constexpr,
         GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
         BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-        GROUP_SIZE_M: tl.constexpr):
+        GROUP_SIZE_M: tl.constexpr, SPLIT_K: tl.constexpr):
     """One [BLOCK_M rows of one expert] x [BLOCK_N output columns] tile.
 
     Row r of the block is assignment sorted_ids[r] (flat t * top_k + slot); it reads
     A row sorted_ids[r] // A_ROW_DIV and writes C row sorted_ids[r].
     GATED: B rows [n] (gate) and [up_offset + n] (up) are accumulated side by side and
     the tile stores silu(gate) * up.
+    SPLIT_K > 1: program (tile, s) sums the s-th of SPLIT_K runs of K blocks (gate and up in two slots of
+    ws), and the last of the tile's programs to arrive adds them and runs the epilogue (kernels/split_k.py).
     """
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M)
     if pid_m * BLOCK_SIZE_M >= tl.load(npp_ptr):
@@ -125,8 +129,13 @@ def _moe_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_rows = rid // A_ROW_DIV
 
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    k_blocks = tl.cdiv(K, BLOCK_SIZE_K)
+    per_split = tl.cdiv(k_blocks, SPLIT_K)
+    k_first = split * per_split
+    k_end = tl.minimum(k_first + per_split, k_blocks)
+    offs_kf = k_first * BLOCK_SIZE_K + offs_k
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_kf[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + offs_kf[:, None] * stride_bk
     up_ptrs = b_ptrs + up_offset * stride_bn
     if USE_FP8 and not QUANT_A:
         as_ptrs = a_scale_ptr + a_rows * stride_asm
@@ -136,7 +145,7 @@ def _moe_gemm_kernel(
 
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+    for kk in range(k_first, k_end):
         k_left = K - kk * BLOCK_SIZE_K
         a = tl.load(a_ptrs, mask=r_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
@@ -168,8 +177,22 @@ def _moe_gemm_kernel(
         b_ptrs += BLOCK_SIZE_K * stride_bk
         up_ptrs += BLOCK_SIZE_K * stride_bk
 
-    gemm_epilogue(acc, acc_up, c_ptr, topk_w_ptr, rid, r_mask, offs_n, N, stride_cm, stride_cn,
-                  GATED, MUL_WEIGHT, INTERPRET)
+    if SPLIT_K == 1:
+        gemm_epilogue(acc, acc_up, c_ptr, topk_w_ptr, rid, r_mask, offs_n, N, stride_cm, stride_cn,
+                      GATED, MUL_WEIGHT, INTERPRET)
+    else:
+        tile_elems: tl.constexpr = BLOCK_SIZE_M * BLOCK_SIZE_N
+        slots = tile_slots(ws_ptr, pid, SPLIT_K * (2 if GATED else 1), BLOCK_SIZE_M, BLOCK_SIZE_N)
+        tl.store(slots + split * tile_elems, acc)
+        if GATED:
+            tl.store(slots + (SPLIT_K + split) * tile_elems, acc_up)
+        if arrive(count_ptr, pid, SPLIT_K):
+            total = sum_slots(slots, 0, SPLIT_K, BLOCK_SIZE_M, BLOCK_SIZE_N)
+            total_up = total
+            if GATED:
+                total_up = sum_slots(slots, SPLIT_K, SPLIT_K, BLOCK_SIZE_M, BLOCK_SIZE_N)
+            gemm_epilogue(total, total_up, c_ptr, topk_w_ptr, rid, r_mask, offs_n, N, stride_cm, stride_cn,
+                          GATED, MUL_WEIGHT, INTERPRET)
 
 
 # --------------------------------------------------------------------------- wrapper
@@ -202,7 +225,15 @@ def _launch_gemm(a, a_s, b, b_s, c, topk_w, al, *, fp8, block_shape, cfg, **gemm
     bk = cfg["BLOCK_SIZE_K"]
     if fp8:
         bk = block_shape[1] if quant_a else min(bk, block_shape[1])
+    tiles = al.expert_ids.shape[0] * triton.cdiv(gemm["n_out"], cfg["BLOCK_SIZE_N"])
+    split = split_k_for(tiles, triton.cdiv(gemm["k"], bk), c.device, cfg)
+    if split > 1:
+        parts = split * (2 if gemm["gated"] else 1)
+        ws, counts = scratch(tiles, parts, al.block_m, cfg["BLOCK_SIZE_N"], c.device), arrivals(c.device)
+    else:
+        ws = counts = c  # not read without a split
     launch_gemm(_moe_gemm_kernel, a, a_s, b, b_s if fp8 else None, c, topk_w, al, block_k=bk, cfg=cfg, **gemm,
+                split_k=split, ws_ptr=ws, count_ptr=counts, SPLIT_K=split,
                 USE_FP8=fp8, QUANT_A=quant_a, GROUP_N=block_shape[0], GROUP_K=block_shape[1])
 
 

@@ -52,16 +52,17 @@ def gemm_epilogue(acc, acc_up, c_ptr, topk_w_ptr, rid, r_mask, offs_n, N, stride
 
 
 def launch_gemm(kernel, a, a_s, b, b_s, c, topk_w, al: MoEAlignment, *, n_out, k, num_valid, up_offset,
-                a_row_div, gated, mul_weight, block_k, cfg, **meta):
+                a_row_div, gated, mul_weight, block_k, cfg, split_k=1, **meta):
     """One grouped GEMM: C[rid] = A[rid // a_row_div] @ B[expert]^T (see `gemm_epilogue`).
 
-    `kernel` takes the positional arguments below and these constexprs; `meta` adds its own. a_s / b_s
-    None: no scales (A, B in their place, strides 0)."""
+    `kernel` takes the positional arguments below and these constexprs; `meta` adds its own (a split-K
+    kernel its scratch, counts and SPLIT_K; `split_k` is the grid's second axis). a_s / b_s None: no
+    scales (A, B in their place, strides 0)."""
     bn = cfg["BLOCK_SIZE_N"]
     npm = al.expert_ids.shape[0]
     a_s_strides = (a_s.stride(0), a_s.stride(1)) if a_s is not None else (0, 0)
     b_s_strides = b_s.stride() if b_s is not None else (0, 0, 0)
-    kernel[(npm * triton.cdiv(n_out, bn),)](
+    kernel[(npm * triton.cdiv(n_out, bn), split_k)](
         a, a if a_s is None else a_s, b, b if b_s is None else b_s, c, topk_w,
         al.sorted_ids, al.expert_ids, al.num_post_pad,
         n_out, k, num_valid, npm, up_offset,

@@ -16,6 +16,9 @@ from tuning.bench import GemmProblem, MoEProblem
 from tuning.shapes import GemmShape, MoEShape
 
 
+SPLIT_K_CHOICES = (1, 2, 4, 8)  # explicit K splits timed for the best tiles (1: none, whatever the GPU)
+
+
 class MoETarget:
     kind = "moe"
     command = "tune-moe"
@@ -58,13 +61,14 @@ class MoETarget:
         return ss.prune(ss.down_variants(cfg, grid), self._static(limits)).kept
 
     def extras(self, cfg: dict, device) -> list[dict]:
-        return []
+        """The best config with the gate_up GEMM's K loop in SPLIT_K_CHOICES parts (the down GEMM unsplit: its
+        K is the small N); the W4AFP8 kernel has no split."""
+        if self.shape.dtype == "w4afp8":
+            return []
+        return [{**cfg, "SPLIT_K": s, "SPLIT_K_DOWN": 1} for s in SPLIT_K_CHOICES]
 
     def finalize(self, winner: dict, ranked: list[dict]) -> dict:
         return winner
-
-
-SPLIT_K_CHOICES = (1, 2, 4, 8)  # explicit K splits timed for the best tiles (1: none, whatever the GPU)
 
 
 class GemmTarget:

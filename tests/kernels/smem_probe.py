@@ -1,6 +1,6 @@
 """Shared memory of the attention kernels' default configs, compiled for sm_90 on this (CPU) machine; and the
 small fused kernels of the decode step (kernels/mla_rope_cache.py, kernels/silu_mul_quant.py, the norms, the
-block-FP8 GEMM with its split-K reduction) compiled the same way, because Triton's CPU interpreter runs code its GPU compiler refuses (e.g. a variable of two shapes in the two
+block-FP8 GEMM and the fused-MoE GEMM with their split-K reduction) compiled the same way, because Triton's CPU interpreter runs code its GPU compiler refuses (e.g. a variable of two shapes in the two
 branches of an `if`, which reached a GPU once).
 
 Run as `python -m tests.kernels.smem_probe` without TRITON_INTERPRET (the test suite sets it, and an
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fp8, mla_decode, mla_extend, mla_rope_cache, rms_norm, rms_norm_quant, silu_mul_quant
+from kernels import fp8, fused_moe, mla_decode, mla_extend, mla_rope_cache, rms_norm, rms_norm_quant, silu_mul_quant
 
 _TL = {torch.float32: ("fp32", tl.float32), torch.bfloat16: ("bf16", tl.bfloat16)}
 DECODE_ROWS = (16, 32, 128)  # V2-Lite / TP-8 V3, 16 heads x 2 draft rows, DP-attention V3 at 128 heads
@@ -87,6 +87,20 @@ def block_gemm_bytes(split_k: int, quant_a: bool) -> int:
     return _compile_sm90(fp8._block_fp8_gemm_kernel, sig, cons, num_warps=4, num_stages=5)
 
 
+def moe_gemm_bytes(split_k: int, gated: bool) -> int:
+    """kernels/fused_moe.py's grouped GEMM (FP8, a 16 x 32 tile) with and without the split-K reduction."""
+    sig = dict(a_ptr="*fp8e4nv", a_scale_ptr="*fp32", b_ptr="*fp8e4nv", b_scale_ptr="*fp32", c_ptr="*bf16",
+               topk_w_ptr="*fp32", sorted_ids_ptr="*i32", expert_ids_ptr="*i32", npp_ptr="*i32",
+               ws_ptr="*fp32" if split_k > 1 else "*bf16", count_ptr="*i32" if split_k > 1 else "*bf16")
+    sig.update({n: "i32" for n in ("N K num_valid num_pid_m up_offset stride_am stride_ak stride_asm stride_ask "
+                                   "stride_be stride_bn stride_bk stride_bse stride_bsn stride_bsk "
+                                   "stride_cm stride_cn").split()})
+    cons = dict(A_ROW_DIV=2 if gated else 1, GATED=gated, MUL_WEIGHT=not gated, USE_FP8=True, QUANT_A=False,
+                INTERPRET=False, GROUP_N=128, GROUP_K=128, BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=128,
+                GROUP_SIZE_M=1, SPLIT_K=split_k)
+    return _compile_sm90(fused_moe._moe_gemm_kernel, sig, cons, num_warps=4, num_stages=4)
+
+
 def decode_bytes(rows: int, dtype: torch.dtype) -> int:
     cfg = mla_decode.default_config(rows, dtype)
     ptr, compute = _TL[dtype]
@@ -131,6 +145,8 @@ def main() -> None:
             out[f"rms_norm{' quant' if quant else ''}{' + residual' if residual else ''}"] = norm_bytes(quant, residual)
     for split_k, quant_a in ((1, False), (4, False), (4, True)):
         out[f"block_fp8_gemm split {split_k}{' quant' if quant_a else ''}"] = block_gemm_bytes(split_k, quant_a)
+    for split_k, gated in ((1, True), (4, True), (4, False)):
+        out[f"moe_gemm split {split_k}{' gated' if gated else ''}"] = moe_gemm_bytes(split_k, gated)
     print(json.dumps(out))
 
 

@@ -183,7 +183,7 @@ def test_block_fp8_matmul_split_k(poison, cfg, split):
     """K cut into `split` runs of blocks (5 blocks: 3+2, 2+2+1, 2+2+1+none), each tile's partials summed by its
     last program in split order: within float32 reordering of the unsplit result, the arrival counts back at 0
     (a second launch, as a CUDA-graph replay, gives the same bits)."""
-    import kernels.fp8 as fp8
+    from kernels.split_k import arrivals
 
     a = _rand(3, 5 * 128 - 40, seed=split)
     wq, ws = quantize_block_fp8(torch.randn(100, a.shape[1], generator=torch.Generator().manual_seed(5)) * 0.1)
@@ -191,7 +191,7 @@ def test_block_fp8_matmul_split_k(poison, cfg, split):
     out = block_fp8_matmul(a, wq, ws, config=dict(cfg, SPLIT_K=split))
     assert (out - whole).abs().max() <= 1e-5 * whole.abs().max() and not torch.equal(out, torch.zeros_like(out))
     assert _rel(out, block_fp8_matmul_ref(a, wq, ws)) < 1e-5
-    assert not fp8._arrivals(a.device).any()
+    assert not arrivals(a.device).any()
     assert torch.equal(block_fp8_matmul(a, wq, ws, config=dict(cfg, SPLIT_K=split)), out)
 
 
@@ -201,7 +201,7 @@ def test_block_fp8_matmul_split_k_gpu(m, n, k):
     """At decode shapes on the GPU: every split (and the automatic one) within float32 reordering of the unsplit
     GEMM, the same bits on every launch and in a CUDA graph's replays (the last program of a tile always sums
     the parts in split order), and the arrival counts back at 0."""
-    import kernels.fp8 as fp8
+    from kernels.split_k import arrivals
 
     g = torch.Generator(device="cuda").manual_seed(m)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -221,24 +221,7 @@ def test_block_fp8_matmul_split_k_gpu(m, n, k):
             graph.replay()
             assert torch.equal(buf, outs[0])
     torch.cuda.synchronize()
-    assert not fp8._arrivals(a.device).any()
-
-
-def test_split_k_choice(monkeypatch):
-    """A tuned SPLIT_K wins (clamped to the K blocks); no split off the GPU, past the count slots, or where the
-    tiles already fill the SMs; otherwise about two programs per SM with at least 4 K blocks per part."""
-    import kernels.fp8 as fp8
-
-    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert fp8.split_k_for(10, 56, cpu, {"SPLIT_K": 3}) == 3 and fp8.split_k_for(10, 2, cpu, {"SPLIT_K": 3}) == 2
-    assert fp8.split_k_for(10, 56, cpu, {}) == 1
-    assert fp8.split_k_for(fp8.COUNT_SLOTS + 1, 56, cpu, {"SPLIT_K": 3}) == 1
-    monkeypatch.setattr(fp8, "_sm_count", lambda device: 132)
-    assert fp8.split_k_for(66, 56, gpu, {}) == 4  # q_a + kv_a at TP 1, 32-wide tiles
-    assert fp8.split_k_for(33, 40, gpu, {}) == 8  # the same at V2's hidden 5120, 64-wide tiles
-    assert fp8.split_k_for(33, 12, gpu, {}) == 3  # short K: at least 4 blocks a part
-    assert fp8.split_k_for(288, 56, gpu, {}) == 1  # tiles enough
-    assert fp8.split_k_for(66, 56, gpu, {"SPLIT_K": 1}) == 1  # a tuned file can turn it off
+    assert not arrivals(a.device).any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt block-scaled FP8 needs a CUDA GPU")

@@ -132,6 +132,27 @@ def test_fused_moe_fp8(poison, cfg, t, e, top_k):
     assert 0.003 < err < 0.06
 
 
+@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("fp8,cfg", [(False, CFG_A), (True, CFG_Q), (True, dict(CFG_B, BLOCK_SIZE_K=64))],
+                         ids=["float", "fp8-quant-in-gemm", "fp8"])
+def test_fused_moe_split_k(poison, fp8, cfg, split):
+    """Both GEMMs with the K loop split (gate and up summed part by part before SiLU, down's parts before the
+    routing weight): the unsplit result within float32 reordering, the arrival counts back at 0, and the same
+    bits on a second launch (as a CUDA-graph replay)."""
+    from kernels.split_k import arrivals
+
+    t, e, top_k, n, k = 3, 5, 2, 200, 300  # K 300 and N 200: 3 and 2 blocks of 128, uneven parts
+    x = torch.randn(t, k, generator=_gen(11))
+    w13, w2, s13, s2 = _weights(e, n, k, seed=12, fp8=fp8)
+    ids, weights = _routing(t, e, top_k, seed=13)
+    kw = dict(w13_scale=s13, w2_scale=s2) if fp8 else {}
+    whole = fused_moe(x, w13, w2, ids, weights, config=dict(cfg, SPLIT_K=1), **kw)
+    out = fused_moe(x, w13, w2, ids, weights, config=dict(cfg, SPLIT_K=split), **kw)
+    assert (out - whole).abs().max() <= 1e-5 * whole.abs().max() and whole.abs().max() > 0
+    assert not arrivals(x.device).any()
+    assert torch.equal(fused_moe(x, w13, w2, ids, weights, config=dict(cfg, SPLIT_K=split), **kw), out)
+
+
 def test_fused_moe_fp8_many_experts(poison):
     """E = 300 (BLOCK_E 512): the alignment takes its three-launch path (no prologue)."""
     t, e, top_k, n, k = 50, 300, 3, 40, 64

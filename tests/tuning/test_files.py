@@ -95,6 +95,16 @@ def test_gemm_extras_time_k_splits_and_a_cublas_winner_keeps_the_triton_split(mo
     assert o_proj.finalize(ranked[0], ranked) == dict(_cfg(16, 32), SPLIT_K=4, CUBLAS=1)
 
 
+def test_moe_extras_time_gate_up_splits_except_w4afp8():
+    """The fused MoE's best config is timed again with gate_up's K loop in 1, 2, 4, 8 parts (down unsplit); the
+    W4AFP8 kernel has no split, so none."""
+    v3 = load_model_config("deepseek-v3")
+    fp8 = MoETarget(moe_shape(v3, tp=8))
+    got = fp8.extras(_cfg(16), "cuda")
+    assert [c["SPLIT_K"] for c in got] == [1, 2, 4, 8] and all(c["SPLIT_K_DOWN"] == 1 for c in got)
+    assert MoETarget(moe_shape(v3, tp=8, dtype="w4afp8")).extras(_cfg(16), "cuda") == []
+
+
 def test_resume_after_kill(tmp_path, target, monkeypatch):
     """A run killed after M=1 and M=2: --resume tunes only the rest and the file ends complete."""
     out = tmp_path / target.filename(DEVICE)
