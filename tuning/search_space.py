@@ -280,7 +280,8 @@ def describe(cfg: dict) -> str:
     up = up_part(cfg)
     text = (f"M{up['BLOCK_SIZE_M']} N{up['BLOCK_SIZE_N']} K{up['BLOCK_SIZE_K']} g{up.get('GROUP_SIZE_M', 1)} "
             f"w{up.get('num_warps', 4)} s{up.get('num_stages', 3)}")
-    short = {"BLOCK_SIZE_N": "N", "BLOCK_SIZE_K": "K", "GROUP_SIZE_M": "g", "num_warps": "w", "num_stages": "s"}
+    short = {"BLOCK_SIZE_N": "N", "BLOCK_SIZE_K": "K", "GROUP_SIZE_M": "g", "num_warps": "w", "num_stages": "s",
+             "SPLIT_K": "split "}
     down = [f"{short.get(k[:-5], k[:-5])}{v}" for k, v in sorted(cfg.items()) if k.endswith("_DOWN")]
     if down:
         text += " | down " + " ".join(down)
