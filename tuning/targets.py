@@ -15,7 +15,6 @@ from tuning import search_space as ss
 from tuning.bench import GemmProblem, MoEProblem
 from tuning.shapes import GemmShape, MoEShape
 
-
 SPLIT_K_CHOICES = (1, 2, 4, 8)  # explicit K splits timed for the best tiles (1: none, whatever the GPU)
 
 
