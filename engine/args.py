@@ -264,6 +264,13 @@ class KernelArgs:
         "reference, CPU default).",
         choices=("auto", "triton", "torch"),
     )
+    shared_experts_backend: str = flag(
+        "auto", "The MoE layers' shared experts: 'fused' runs them inside the routed experts' fused-MoE launch, as "
+        "extra experts every token takes with weight 1 (CUDA default where the layout allows it: not with "
+        "--ep-size, W4AFP8 experts, or a TP share of the expert width that is not whole 128-row FP8 blocks), "
+        "'separate' as their own MLP (two GEMMs, the activation and an add).",
+        choices=("auto", "fused", "separate"),
+    )
     all_reduce_backend: str = flag(
         "auto", "Tensor-parallel all-reduce: 'torch' (torch.distributed: NCCL on CUDA, gloo on CPU; the default) "
         "or 'custom' (GPUs of one node with P2P: one-shot / two-shot kernels over peer memory for small messages, "
@@ -314,7 +321,8 @@ class KernelArgs:
         return {"attention": self.attention, "moe": self.moe_backend, "gemm": self.gemm_backend,
                 "rms_norm": self.rms_norm_backend, "moe_gate": self.moe_gate_backend,
                 "norm_quant": self.norm_quant_backend, "act_quant": self.act_quant_backend,
-                "all_reduce": self.all_reduce_backend, "rope_cache": self.rope_cache_backend}
+                "all_reduce": self.all_reduce_backend, "rope_cache": self.rope_cache_backend,
+                "shared_experts": self.shared_experts_backend}
 
     def config_dir(self) -> Optional[str]:
         """--kernel-config-dir, else $DSCTL_KERNEL_CONFIG_DIR, else None (the shipped configs only)."""

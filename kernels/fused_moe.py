@@ -240,7 +240,8 @@ def _launch_gemm(a, a_s, b, b_s, c, topk_w, al, *, fp8, block_shape, cfg, **gemm
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, *, w13_scale: Optional[torch.Tensor] = None,
               w2_scale: Optional[torch.Tensor] = None, block_shape=(128, 128),
-              config: Optional[dict] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+              config: Optional[dict] = None, out: Optional[torch.Tensor] = None,
+              config_experts: Optional[int] = None) -> torch.Tensor:
     """Routed-experts output [T, K] in x.dtype (see the module docstring).
 
     FP8: w13/w2 float8_e4m3fn with float32 scales [E, ceil(2N/128), ceil(K/128)] and
@@ -249,14 +250,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     at the batch size nearest T. Optional keys: QUANT_A=1 quantises the activations inside
     the GEMM tiles instead of a separate pass (FP8 only; fewer launches, slower on an H100);
     `<KEY>_DOWN` overrides <KEY> for the down-projection GEMM (BLOCK_SIZE_M is shared by both).
-    `out` ([T, K], x.dtype) receives the result if given.
+    `out` ([T, K], x.dtype) receives the result if given. `config_experts`: the expert count the tuned
+    files are looked up by, when it is not w13's (the routed experts, with shared ones appended).
     """
     t, k, e, n = _check(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, block_shape)
     inp = moe_inputs(x, topk_ids, topk_weights, out)
     if inp.empty:
         return inp.out.zero_()
     fp8 = w13.dtype == FP8_DTYPE
-    cfg = config or get_moe_config(e, n, t, inp.top_k, moe_dtype_name(w13.dtype), device=x.device)
+    cfg = config or get_moe_config(config_experts or e, n, t, inp.top_k, moe_dtype_name(w13.dtype), device=x.device)
     up_cfg, down_cfg = split_config(cfg)
 
     if fp8 and not up_cfg.get("QUANT_A", 0):  # else no quantisation, or the GEMM quantises its own A tiles

@@ -99,8 +99,8 @@ def default_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.devic
 
 
 def derive_weights(modules: dict[str, torch.nn.Module]) -> None:
-    """After loading: MLA's absorbed w_kc / w_vc and stacked qkv_a_proj, each MLP's stacked gate_up_proj;
-    eval mode."""
+    """After loading: MLA's absorbed w_kc / w_vc and stacked qkv_a_proj, each MLP's stacked gate_up_proj, then
+    (with kernels.shared_experts_fused) each MoE's shared experts moved into its routed ones; eval mode."""
     for mod in modules.values():
         for m in list(mod.modules()):
             if hasattr(m, "absorb"):
@@ -109,4 +109,7 @@ def derive_weights(modules: dict[str, torch.nn.Module]) -> None:
                 m.merge_qkv_a()
             if isinstance(m, MLP):
                 m.merge_gate_up()
+        for m in list(mod.modules()):
+            if hasattr(m, "fuse_shared_experts"):
+                m.fuse_shared_experts()
         mod.eval()

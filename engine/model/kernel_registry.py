@@ -23,6 +23,9 @@ check and a factory, and what 'auto' means for it.
   all_reduce  --all-reduce-backend  torch (torch.distributed: NCCL on CUDA, gloo on CPU), custom (peer-memory
                                     one-shot / two-shot kernels for small messages within a node, NCCL
                                     otherwise: engine/distributed/custom_all_reduce.py)
+  shared_experts --shared-experts-backend  the MoE's shared experts: fused (inside the routed experts' launch, as
+                                    extra experts every token takes with weight 1; engine/model/moe.py) or
+                                    separate (their own MLP); 'auto' fuses on CUDA where the layout allows it
   moe_a2a     --moe-a2a-backend     none (EP by gather + all-reduce), torch (all-to-all through torch.distributed:
                                     engine/distributed/token_exchange.py). The flag is a layout flag
                                     (ParallelArgs: it also puts the shared experts whole on every rank), so it
@@ -56,7 +59,7 @@ from engine.model.attention_expanded import TorchExpandedAttention, TritonExpand
 from engine.model.attention_flashinfer import FlashInferAttentionBackend, check_supported
 from engine.model.attention_triton import TritonAttentionBackend
 from engine.model.kernel_set import Kernels
-from engine.model.moe import TorchMoEBackend, TritonMoEBackend
+from engine.model.moe import TorchMoEBackend, TritonMoEBackend, shared_fusion_blocker
 from kernels.fp8 import cublas_unavailable_reason
 
 AUTO = "auto"
@@ -155,6 +158,8 @@ def auto_name(op: str, setup: KernelSetup) -> str:
         return "triton" if cublas_unavailable_reason(setup.device) else "cublas"
     if op == "gemm":
         return "triton" if setup.interpret else "torch"
+    if op == "shared_experts":
+        return "fused" if setup.cuda and shared_fusion_blocked(setup) is None else "separate"
     if op in ("norm_quant", "act_quant"):  # with the Triton FP8 GEMM (resolve_kernels: off with the torch GEMM)
         return "triton" if setup.fp8_block is not None and (setup.cuda or setup.interpret) else "off"
     return "triton" if setup.cuda else "torch"
@@ -191,6 +196,18 @@ def check_token_exchange(setup: KernelSetup) -> None:
     if group is None or group.ep_size == 1 or not group.exchanges_tokens:
         raise UsageError("--moe-a2a-backend: the all-to-all exchange needs expert parallelism (--ep-size equal to "
                          "--tp, 2 or more) and the layout built for it; use --moe-a2a-backend none otherwise")
+
+
+def shared_fusion_blocked(setup: KernelSetup) -> Optional[str]:
+    group = setup.group
+    expert_parallel = group is not None and (group.ep_size > 1 or group.exchanges_tokens)
+    return shared_fusion_blocker(setup.config, group.size if group is not None else setup.tp_size, expert_parallel,
+                                 setup.fp8_block)
+
+
+def check_shared_fusion(setup: KernelSetup) -> None:
+    if why := shared_fusion_blocked(setup):
+        raise UsageError(f"--shared-experts-backend fused: {why}; use --shared-experts-backend separate (or auto)")
 
 
 def check_cublas(setup: KernelSetup) -> None:
@@ -278,12 +295,16 @@ ROPE_CACHE = OpRegistry("rope_cache")
 ROPE_CACHE.register("torch", no_check, returns(None))
 ROPE_CACHE.register("triton", check_triton("--rope-cache-backend"), returns(rope_cache_ops.triton_rope_cache))
 
+SHARED_EXPERTS = OpRegistry("shared_experts")
+SHARED_EXPERTS.register("separate", no_check, returns(False))
+SHARED_EXPERTS.register("fused", check_shared_fusion, returns(True))
+
 MOE_A2A = OpRegistry("moe_a2a")
 MOE_A2A.register("none", no_check, returns(None))
 MOE_A2A.register("torch", check_token_exchange, returns(torch_all_to_all), label=process_group_backend)
 
 REGISTRIES: dict[str, OpRegistry] = {r.op: r for r in (ATTENTION, MOE, GEMM, RMS_NORM, MOE_GATE, ALL_REDUCE,
-                                                        NORM_QUANT, ACT_QUANT, ROPE_CACHE, MOE_A2A)}
+                                                        NORM_QUANT, ACT_QUANT, ROPE_CACHE, SHARED_EXPERTS, MOE_A2A)}
 
 
 @dataclass(frozen=True)
@@ -299,6 +320,7 @@ class KernelChoice:
     norm_quant: str = AUTO
     act_quant: str = AUTO
     rope_cache: str = AUTO
+    shared_experts: str = AUTO
     moe_a2a: str = AUTO
 
     def names(self) -> dict[str, str]:
@@ -326,7 +348,8 @@ def build_kernels(choice: KernelChoice, setup: KernelSetup) -> Kernels:
                    gemm_q=GEMM_Q[choice.gemm] if (choice.norm_quant, choice.act_quant) != ("off", "off") else None,
                    moe_a2a=MOE_A2A.build(choice.moe_a2a, setup),
                    rope_cache=ROPE_CACHE.build(choice.rope_cache, setup),
-                   add_rms_norm=ADD_NORM[choice.rms_norm], add_norm_quant=ADD_NORM_QUANT[choice.norm_quant])
+                   add_rms_norm=ADD_NORM[choice.rms_norm], add_norm_quant=ADD_NORM_QUANT[choice.norm_quant],
+                   shared_experts_fused=SHARED_EXPERTS.build(choice.shared_experts, setup))
 
 
 def auto_kernels(setup: KernelSetup) -> Kernels:

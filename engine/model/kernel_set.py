@@ -64,6 +64,7 @@ class Kernels:
     rope_cache: Optional[RopeCache] = None  # MLA's latent norm, rope and cache write in one (None: op by op)
     add_rms_norm: AddNorm = norm_ops.torch_add_rms_norm  # a layer's residual add and the norm after it
     add_norm_quant: Optional[AddNormQuant] = None  # the same, quantised for a block-FP8 GEMM (with norm_quant)
+    shared_experts_fused: bool = False  # MoE shared experts run inside the routed experts' launch (engine/model/moe.py)
 
 
 REFERENCE = Kernels(gemm=fp8_ops.torch_linear, rms_norm=norm_ops.torch_rms_norm, moe_gate=gate_ops.torch_gate,

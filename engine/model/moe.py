@@ -21,6 +21,13 @@ experts like a dense MLP; the router stays replicated, so every rank routes ever
 the same way. Routed and shared outputs are both partial sums over the intermediate
 dimension: they are added locally and summed over the group by ONE all-reduce per layer.
 
+Shared experts inside the routed launch (`kernels.shared_experts_fused`, --shared-experts-backend fused, the CUDA
+default where the layout allows it: no EP, no W4AFP8, whole 128-row FP8 blocks per rank): after loading,
+`fuse_shared_experts` moves each shared expert's rank share (n_shared_experts slices of this rank's routed N) into
+w13 / w2 as experts E .. E + S - 1, and every token is routed to them with weight 1 besides its top-k: one fused MoE
+launch instead of the shared MLP's two GEMMs, its activation and the add (the tuned configs are still looked up
+by the routed E).
+
 Expert parallelism (`tp.ep_size` = tp.size): each rank owns n_routed_experts / ep whole experts
 (full intermediate size). Every rank still holds every token (plain TP: the attention output is
 all-reduced; DP attention: the tokens of all DP groups are gathered before the MoE), routes all
@@ -104,6 +111,7 @@ class MoE(nn.Module):
                 kernels=kernels)
             if cfg.n_shared_experts else None
         )
+        self.fused_shared = 0  # shared experts moved into w13 / w2 (fuse_shared_experts)
 
     def _expert_params(self, e: int, k: int, n: int, wdtype: torch.dtype) -> None:
         self.w13 = nn.Parameter(torch.empty(e, 2 * n, k, dtype=wdtype), requires_grad=False)
@@ -123,6 +131,42 @@ class MoE(nn.Module):
         self.w13_scale = nn.Parameter(torch.empty(e, 2 * n, k // g1), requires_grad=False)
         self.w2_scale = nn.Parameter(torch.empty(e, k, n // g2), requires_grad=False)
 
+    def fuse_shared_experts(self) -> None:
+        """With `kernels.shared_experts_fused` (after loading and after the shared MLP's gate / up merge): append
+        the shared experts to w13 / w2 as S = n_shared_experts experts of this rank's routed width N (slice j of
+        the shared MLP's gate rows, up rows and down columns), drop the shared MLP, and keep the ids E .. E + S - 1
+        and their weight 1 that `forward` routes every token to. The routed weights are copied once (a layer's
+        worth of memory for a moment)."""
+        mlp = self.shared_experts
+        if not self.kernels.shared_experts_fused or mlp is None:
+            return
+        expert_parallel = self.tp.ep_size > 1 or self.tp.exchanges_tokens
+        if reason := shared_fusion_blocker(self.cfg, self.tp.size, expert_parallel, self.fp8_block):
+            raise UsageError(f"--shared-experts-backend fused: {reason}; use --shared-experts-backend separate")
+        e, n, s = self.num_local_experts, self.w2.shape[2], self.cfg.n_shared_experts
+        gate, up = ((mlp.gate_up_proj.weight[: mlp.local], mlp.gate_up_proj.weight[mlp.local:])
+                    if mlp.gate_up_proj is not None else (mlp.gate_proj.weight, mlp.up_proj.weight))
+        shared13 = torch.stack([torch.cat((gate[j * n:(j + 1) * n], up[j * n:(j + 1) * n])) for j in range(s)])
+        shared2 = torch.stack([mlp.down_proj.weight[:, j * n:(j + 1) * n] for j in range(s)])
+        self.w13 = nn.Parameter(torch.cat((self.w13, shared13)), requires_grad=False)
+        self.w2 = nn.Parameter(torch.cat((self.w2, shared2)), requires_grad=False)
+        if self.fp8_block is not None:
+            bn, bk = self.fp8_block
+            g13 = (mlp.gate_up_proj.weight_scale_inv.split(mlp.local // bn) if mlp.gate_up_proj is not None
+                   else (mlp.gate_proj.weight_scale_inv, mlp.up_proj.weight_scale_inv))
+            rows = n // bn
+            s13 = torch.stack([torch.cat((g13[0][j * rows:(j + 1) * rows], g13[1][j * rows:(j + 1) * rows]))
+                               for j in range(s)])
+            cols = n // bk
+            s2 = torch.stack([mlp.down_proj.weight_scale_inv[:, j * cols:(j + 1) * cols] for j in range(s)])
+            self.w13_scale = nn.Parameter(torch.cat((self.w13_scale, s13)), requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.cat((self.w2_scale, s2)), requires_grad=False)
+        self.shared_experts = None
+        self.fused_shared = s
+        dev = self.w13.device
+        self.register_buffer("shared_ids", torch.arange(e, e + s, dtype=torch.int32, device=dev), persistent=False)
+        self.register_buffer("shared_weights", torch.ones(s, dtype=torch.float32, device=dev), persistent=False)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, global expert ids [T, k] int32) of the replicated router."""
         logits = F.linear(x.float(), self.gate_weight)
@@ -136,6 +180,10 @@ class MoE(nn.Module):
         weights, ids = self.route(x)
         if self.tp.ep_size > 1:
             ids = local_expert_ids(ids, self.first_expert, self.num_local_experts)
+        if self.fused_shared:  # every token also to the shared experts, weight 1
+            rows = ids.shape[0]
+            ids = torch.cat((ids, self.shared_ids.expand(rows, -1)), dim=1)
+            weights = torch.cat((weights, self.shared_weights.expand(rows, -1)), dim=1)
         out = ctx.moe_backend.experts(self, x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -158,6 +206,22 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(mine)
         return gather_shares(out[: end - start], x.shape[0], per, group)
+
+
+def shared_fusion_blocker(cfg: ModelConfig, tp_size: int, expert_parallel: bool, fp8_block) -> Optional[str]:
+    """Why a MoE layer's shared experts cannot join the routed experts' launch in this layout (None: they can)."""
+    if not (cfg.n_routed_experts and cfg.n_shared_experts):
+        return "the model has no shared experts"
+    if cfg.experts_int4_group:
+        return "W4AFP8 routed experts are INT4 and the shared experts FP8, so they run apart"
+    if expert_parallel:
+        return ("under expert parallelism a rank holds whole routed experts but a share of the shared ones (or all "
+                "of them, for its own tokens)")
+    n = cfg.moe_intermediate_size // tp_size
+    if fp8_block is not None and (n % fp8_block[0] or n % fp8_block[1]):
+        return (f"this rank's routed expert width {n} is not whole {fp8_block[0]}-row FP8 blocks, so the shared "
+                "experts' scales cannot be cut into experts")
+    return None
 
 
 def int4_groups(group: int, k: int, n: int) -> tuple[int, int]:
@@ -190,4 +254,4 @@ class TritonMoEBackend:
         if moe.int4_groups:
             return fused_moe_w4a8(x, moe.w13, moe.w2, ids, weights, w13_scale=moe.w13_scale, w2_scale=moe.w2_scale)
         return fused_moe(x, moe.w13, moe.w2, ids, weights, w13_scale=moe.w13_scale, w2_scale=moe.w2_scale,
-                         block_shape=moe.fp8_block or WEIGHT_BLOCK)
+                         block_shape=moe.fp8_block or WEIGHT_BLOCK, config_experts=moe.num_local_experts)

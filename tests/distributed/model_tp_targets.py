@@ -43,9 +43,11 @@ class Case:
 
 
 def case_kernels(case: Case, cfg, block, old_paths: bool):
-    """The Kernels the case's model runs: 'auto' on CPU, or the W8A8 torch maths. old_paths: no RMSNorm and
-    no SiLU(gate) * up fused with the FP8 quantisation of the GEMM after it (and run_workload keeps q_a / kv_a
-    apart)."""
+    """The Kernels the case's model runs: 'auto' on CPU, or the W8A8 torch maths; with weights not kept FP8 the
+    shared experts run inside the routed experts' launch (--shared-experts-backend fused; kept FP8, tiny's
+    128-wide experts split at TP 2 into half blocks, where fusion is refused). old_paths: no RMSNorm and no
+    SiLU(gate) * up fused with the FP8 quantisation of the GEMM after it, shared experts apart (and run_workload
+    keeps q_a / kv_a apart)."""
     from engine.model import act_ops, fp8_ops, norm_ops
     from engine.model.builder import default_kernels
     from engine.model.kernel_set import REFERENCE
@@ -57,7 +59,9 @@ def case_kernels(case: Case, cfg, block, old_paths: bool):
                           gemm_q=fp8_ops.torch_linear_q)
     else:
         kernels = default_kernels(cfg, torch.float32, torch.device("cpu"), block)
-    return replace(kernels, norm_quant=None, act_quant=None, add_norm_quant=None, gemm_q=None) if old_paths else kernels
+    if old_paths:
+        return replace(kernels, norm_quant=None, act_quant=None, add_norm_quant=None, gemm_q=None)
+    return replace(kernels, shared_experts_fused=block is None)
 
 
 def params_by_checkpoint_name(model, mtp) -> dict[str, torch.Tensor]:

@@ -8,7 +8,8 @@
   the torch, Triton (interpreter) and FlashInfer (tests/engine/fake_flashinfer.py) attention
   backends. Every rank's logits must match the single-process model's, be identical on every
   rank, and give the same greedy tokens. The single process runs the paths the ranks' merged q_a / kv_a
-  GEMM and fused RMSNorm + FP8 quantisation replaced (run_workload's old_paths).
+  GEMM, fused RMSNorm + FP8 quantisation and (weights not kept FP8) shared experts inside the routed launch
+  replaced (run_workload's old_paths).
 - In process (no collectives): each rank's loaded weights (and its absorbed w_kc / w_vc) are
   exactly the slices of the unsplit model's, read without ever reading a whole tensor; dummy
   weights at TP N are exactly the slices of the TP-1 dummy weights; a rank's parameter bytes are

@@ -53,6 +53,7 @@ def test_choices_per_op():
     assert kr.NORM_QUANT.choices() == ["auto", "off", "torch", "triton"]
     assert kr.ROPE_CACHE.choices() == ["auto", "torch", "triton"]
     assert kr.ACT_QUANT.choices() == ["auto", "off", "torch", "triton"]
+    assert kr.SHARED_EXPERTS.choices() == ["auto", "separate", "fused"]
 
 
 @pytest.mark.parametrize("op", [*FLAG_OPS, "all_reduce"])
@@ -61,13 +62,15 @@ def test_each_flag_offers_exactly_the_registered_names(op):
     flags = {f.name: f for f in dataclasses.fields(KernelArgs)}
     assert set(flags[field].metadata["choices"]) == set(kr.REGISTRIES[op].choices())
     assert KernelArgs(**{field: "torch"}).requested_kernels()[op] == "torch"
-    assert set(KernelArgs().requested_kernels()) == {*FLAG_OPS, "all_reduce"}
+    assert set(KernelArgs().requested_kernels()) == {*FLAG_OPS, "all_reduce", "shared_experts"}
+    assert set(flags["shared_experts_backend"].metadata["choices"]) == set(kr.SHARED_EXPERTS.choices())
 
 
 def test_auto_on_cpu():
     names = kr.resolve_kernels({}, _setup(CPU, fp8_block=BLOCK)).names()
     assert names == dict(attention="torch", moe="torch", gemm="torch", rms_norm="torch", moe_gate="torch",
-                         all_reduce="torch", norm_quant="off", act_quant="off", rope_cache="torch", moe_a2a="none")
+                         all_reduce="torch", norm_quant="off", act_quant="off", rope_cache="torch",
+                         shared_experts="separate", moe_a2a="none")
     interp = kr.resolve_kernels({}, _setup(CPU, interpret=True, fp8_block=BLOCK)).names()
     # the interpreter is opt-in for every op but the FP8 GEMM (and the norm fused with its quantisation),
     # which the CPU tests run in Triton
@@ -82,7 +85,8 @@ def test_auto_on_cpu():
 def test_auto_on_cuda(monkeypatch, cublas_why, gemm):
     monkeypatch.setattr(kr, "cublas_unavailable_reason", lambda device: cublas_why)
     choice = kr.resolve_kernels({}, _setup(CUDA, torch.bfloat16, graphs=(1, 2), fp8_block=BLOCK))
-    assert choice == kr.KernelChoice("triton", "triton", gemm, "triton", "triton", "torch", "triton", "triton", "triton", "none")
+    assert choice == kr.KernelChoice("triton", "triton", gemm, "triton", "triton", "torch", "triton", "triton", "triton",
+                                     "fused", "none")
     bf16 = kr.resolve_kernels({}, _setup(CUDA, torch.bfloat16))
     assert bf16.gemm == "torch" and bf16.norm_quant == bf16.act_quant == "off"  # bf16 weights: F.linear, nothing to quantise
 
@@ -143,11 +147,11 @@ def test_describe_names_what_runs_for_each_op(monkeypatch):
     setup = _setup(CUDA, torch.bfloat16, fp8_block=BLOCK)
     assert kr.describe(kr.resolve_kernels({}, setup), setup) == (
         "attention triton, moe triton, gemm triton+cublas, rms_norm triton, moe_gate triton, all_reduce nccl, "
-        "norm_quant triton, act_quant triton, rope_cache triton, moe_a2a none")
+        "norm_quant triton, act_quant triton, rope_cache triton, shared_experts fused, moe_a2a none")
     cpu = _setup(CPU)
     assert kr.describe(kr.resolve_kernels({"attention": "torch"}, cpu), cpu) == (
         "attention torch, moe torch, gemm torch, rms_norm torch, moe_gate torch, all_reduce gloo, norm_quant off, "
-        "act_quant off, rope_cache torch, moe_a2a none")
+        "act_quant off, rope_cache torch, shared_experts separate, moe_a2a none")
 
 
 def test_runner_logs_its_kernels_once(caplog):
@@ -156,7 +160,8 @@ def test_runner_logs_its_kernels_once(caplog):
                                            moe_gate_backend="triton", max_total_tokens=256))
     lines = [r.getMessage() for r in caplog.records if "kernels:" in r.getMessage()]
     assert lines == ["rank 0 kernels: attention torch, moe torch, gemm torch, rms_norm triton, moe_gate triton, "
-                     "all_reduce gloo, norm_quant off, act_quant off, rope_cache torch, moe_a2a none"]
+                     "all_reduce gloo, norm_quant off, act_quant off, rope_cache torch, shared_experts separate, "
+                     "moe_a2a none"]
     assert runner.kernel_choice.rms_norm == "triton"
 
 
