@@ -35,6 +35,14 @@ from tuning.shapes import gemm_shapes, load_model_config, moe_shape  # noqa: E40
 FORCED = (2, 4, 8)
 
 
+def _row(head: str, times: dict[str, float], floor: float) -> str:
+    """A table row: `head`, then the times unsplit, automatic and forced, the floor, the ratios, the best."""
+    best = min(times, key=times.get)
+    return (head + " | ".join(f"{times[s]:.1f}" for s in ["1", "auto"] + [str(f) for f in FORCED])
+            + f" | {floor:.1f} | {times['1'] / floor:.2f}x | {times['auto'] / floor:.2f}x | "
+            f"{best} ({times['1'] / times[best]:.2f}x) |")
+
+
 def shape_rows(model: str, tp: int, ms: list[int], copy_gbps: float) -> list[str]:
     cfg = load_model_config(model)
     lines = []
@@ -58,11 +66,8 @@ def shape_rows(model: str, tp: int, ms: list[int], copy_gbps: float) -> list[str
                 times[label] = bm.graph_ms([lambda i=i, c=c: block_fp8_matmul(a, ws[i][0], ws[i][1], config=c)
                                             for i in range(rot)]) * 1e3
             floor = (n * k + n * cdiv(k, 128) * 4 // 128 + m * k * 2 + m * n * 2) / (copy_gbps * 1e3)
-            best = min(times, key=times.get)
-            lines.append(f"| {model} tp{tp} | {'+'.join(shape.layers)} | {n}x{k} | {m} | {tiles} | {auto} | "
-                         + " | ".join(f"{times[s]:.1f}" for s in ["1", "auto"] + [str(f) for f in FORCED])
-                         + f" | {floor:.1f} | {times['1'] / floor:.2f}x | {times['auto'] / floor:.2f}x | "
-                         f"{best} ({times['1'] / times[best]:.2f}x) |")
+            lines.append(_row(f"| {model} tp{tp} | {'+'.join(shape.layers)} | {n}x{k} | {m} | {tiles} | {auto} | ",
+                              times, floor))
             print(lines[-1], flush=True)
         ws = None
         torch.cuda.empty_cache()
@@ -93,11 +98,7 @@ def moe_rows(model: str, tp: int, ep: int, ms: list[int], copy_gbps: float) -> l
             times[label] = bm.graph_ms([lambda i=i, c=c: fused_moe(x, w13, w2, ids[i], w, w13_scale=s13,
                                                                    w2_scale=s2, config=c)
                                         for i in range(len(ids))]) * 1e3
-        best = min(times, key=times.get)
-        lines.append(f"| {model} tp{tp} ep{ep} | fused MoE E={e} N={n} | {m} | "
-                     + " | ".join(f"{times[s]:.1f}" for s in ["1", "auto"] + [str(f) for f in FORCED])
-                     + f" | {floor:.1f} | {times['1'] / floor:.2f}x | {times['auto'] / floor:.2f}x | "
-                     f"{best} ({times['1'] / times[best]:.2f}x) |")
+        lines.append(_row(f"| {model} tp{tp} ep{ep} | fused MoE E={e} N={n} | {m} | ", times, floor))
         print(lines[-1], flush=True)
     return lines
 

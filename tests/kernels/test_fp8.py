@@ -201,27 +201,16 @@ def test_block_fp8_matmul_split_k_gpu(m, n, k):
     """At decode shapes on the GPU: every split (and the automatic one) within float32 reordering of the unsplit
     GEMM, the same bits on every launch and in a CUDA graph's replays (the last program of a tile always sums
     the parts in split order), and the arrival counts back at 0."""
-    from kernels.split_k import arrivals
+    from tests.kernels.split_k_checks import same_bits_every_launch_and_replay
 
     g = torch.Generator(device="cuda").manual_seed(m)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
     wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda", generator=g) * 0.05)
     cfg = dict(CFGS[0], num_stages=4)
-    whole = block_fp8_matmul(a, wq, ws, config=dict(cfg, SPLIT_K=1)).float()
+    whole = block_fp8_matmul(a, wq, ws, config=dict(cfg, SPLIT_K=1))
     for split_cfg in [cfg] + [dict(cfg, SPLIT_K=s) for s in (2, 3, 4, 8)]:
-        outs = [block_fp8_matmul(a, wq, ws, config=split_cfg) for _ in range(5)]
-        assert all(torch.equal(o, outs[0]) for o in outs)
-        assert _rel(outs[0].float(), whole) < 1e-2
-        buf = torch.empty_like(outs[0])
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            block_fp8_matmul(a, wq, ws, config=split_cfg, out=buf)
-        for _ in range(3):
-            buf.fill_(float("nan"))
-            graph.replay()
-            assert torch.equal(buf, outs[0])
-    torch.cuda.synchronize()
-    assert not arrivals(a.device).any()
+        same_bits_every_launch_and_replay(lambda out=None, c=split_cfg: block_fp8_matmul(a, wq, ws, config=c, out=out),
+                                          whole)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt block-scaled FP8 needs a CUDA GPU")
