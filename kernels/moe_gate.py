@@ -13,6 +13,8 @@ Methods:
 Then weights /= their sum if norm_topk_prob (and top_k > 1), and *= routed_scaling_factor.
 Ids come out in descending order of the selection key (choice or score); ties go to the
 lower expert index. One program handles BLOCK_T tokens x all experts in registers.
+With n_shared > 0 every row gets n_shared more columns: ids E .. E + n_shared - 1 with weight 1 (shared experts
+appended to the routed ones, engine/model/moe.py), written by the same launch.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def moe_gate_ref(x: torch.Tensor, gate_weight: Optional[torch.Tensor] = None, *,
                  method: str = "noaux_tc", n_group: int = 1, topk_group: int = 1,
                  correction_bias: Optional[torch.Tensor] = None, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = 1.0, scoring_func: Optional[str] = None,
-                 ids_dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
+                 ids_dtype: torch.dtype = torch.int32, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference for `moe_gate` (same arguments)."""
     logits = _logits(x, gate_weight)
     t, e = logits.shape
@@ -61,7 +63,12 @@ def moe_gate_ref(x: torch.Tensor, gate_weight: Optional[torch.Tensor] = None, *,
         weights = scores.gather(1, ids)
     if norm_topk_prob and top_k > 1:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids.to(ids_dtype)
+    weights, ids = weights * routed_scaling_factor, ids.to(ids_dtype)
+    if n_shared:
+        shared = torch.arange(e, e + n_shared, dtype=ids_dtype, device=ids.device).expand(t, -1)
+        weights = torch.cat((weights, weights.new_ones(t, n_shared)), dim=1)
+        ids = torch.cat((ids, shared), dim=1)
+    return weights, ids
 
 
 @triton.jit
@@ -75,7 +82,7 @@ def _argmax_first(v, idx, BIG: tl.constexpr):
 def _moe_gate_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_lt, scaling,
                      TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                      GROUP_SIZE: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, N_SHARED: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
                      BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -131,8 +138,12 @@ def _moe_gate_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_lt, scal
     if NORM:
         weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
     weights = weights * scaling
-    out_mask = r_mask[:, None] & (k_idx[None, :] < TOP_K)
-    offs = rows_c[:, None] * TOP_K + k_idx[None, :]
+    if N_SHARED > 0:  # the shared experts' columns: ids E + j, weight 1
+        shared = (k_idx >= TOP_K)[None, :]
+        weights = tl.where(shared, 1.0, weights)
+        ids = tl.where(shared, E + k_idx[None, :] - TOP_K, ids)
+    out_mask = r_mask[:, None] & (k_idx[None, :] < TOP_K + N_SHARED)
+    offs = rows_c[:, None] * (TOP_K + N_SHARED) + k_idx[None, :]
     tl.store(w_ptr + offs, weights, mask=out_mask)
     tl.store(ids_ptr + offs, ids.to(ids_ptr.dtype.element_ty), mask=out_mask)
 
@@ -141,9 +152,9 @@ def moe_gate(x: torch.Tensor, gate_weight: Optional[torch.Tensor] = None, *, top
              method: str = "noaux_tc", n_group: int = 1, topk_group: int = 1,
              correction_bias: Optional[torch.Tensor] = None, norm_topk_prob: bool = True,
              routed_scaling_factor: float = 1.0, scoring_func: Optional[str] = None,
-             ids_dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
+             ids_dtype: torch.dtype = torch.int32, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] (or hidden [T, H] with gate_weight [E, H]; logits in float32)
-    -> (topk_weights [T, top_k] float32, topk_ids [T, top_k] ids_dtype)."""
+    -> (topk_weights [T, top_k + n_shared] float32, topk_ids [T, top_k + n_shared] ids_dtype)."""
     if method not in METHODS:
         raise ValueError(f"unknown gate method {method!r}; expected one of {sorted(METHODS)}")
     logits = _logits(x, gate_weight)
@@ -154,9 +165,9 @@ def moe_gate(x: torch.Tensor, gate_weight: Optional[torch.Tensor] = None, *, top
         n_group = topk_group = 1
     if e % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (e // n_group):
         raise ValueError(f"E={e}, n_group={n_group}, topk_group={topk_group}, top_k={top_k} do not fit")
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((t, top_k), dtype=ids_dtype, device=logits.device)
-    if t == 0 or top_k == 0:
+    weights = torch.empty((t, top_k + n_shared), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k + n_shared), dtype=ids_dtype, device=logits.device)
+    if t == 0 or top_k + n_shared == 0:
         return weights, ids
     block_e = triton.next_power_of_2(e)
     block_t = max(1, min(16, 2048 // block_e, triton.next_power_of_2(t)))
@@ -166,6 +177,6 @@ def moe_gate(x: torch.Tensor, gate_weight: Optional[torch.Tensor] = None, *, top
         TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, GROUP_SIZE=e // n_group,
         METHOD=METHODS[method], SIGMOID=_scoring(method, scoring_func) == "sigmoid",
         HAS_BIAS=correction_bias is not None and method == "noaux_tc", NORM=norm_topk_prob and top_k > 1,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(n_group),
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+        N_SHARED=n_shared, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(n_group),
+        BLOCK_K=triton.next_power_of_2(top_k + n_shared), num_warps=4)
     return weights, ids

@@ -67,10 +67,11 @@ from kernels.fused_moe_w4a8 import fused_moe_w4a8, fused_moe_w4a8_ref
 
 
 def select_experts(logits: torch.Tensor, cfg: ModelConfig, bias: Optional[torch.Tensor],
-                   gate: Gate = torch_gate) -> tuple[torch.Tensor, torch.Tensor]:
+                   gate: Gate = torch_gate, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] (float32) -> (weights [T, k] float32, ids [T, k] int32), by `gate`
-    (engine/model/gate_ops.py; a MoE layer passes its `kernels.moe_gate`)."""
-    return gate(logits, cfg, bias)
+    (engine/model/gate_ops.py; a MoE layer passes its `kernels.moe_gate`); with n_shared, k + n_shared columns,
+    the last ones the shared experts E, E + 1, ... at weight 1 (written by the same launch)."""
+    return gate(logits, cfg, bias, n_shared)
 
 
 class MoE(nn.Module):
@@ -134,16 +135,16 @@ class MoE(nn.Module):
     def fuse_shared_experts(self) -> None:
         """With `kernels.shared_experts_fused` (after loading and after the shared MLP's gate / up merge): append
         the shared experts to w13 / w2 as S = n_shared_experts experts of this rank's routed width N (slice j of
-        the shared MLP's gate rows, up rows and down columns), drop the shared MLP, and keep the ids E .. E + S - 1
-        and their weight 1 that `forward` routes every token to. The routed weights are copied once (a layer's
-        worth of memory for a moment)."""
+        the shared MLP's gate rows, up rows and down columns) and drop the shared MLP; `route` then sends every
+        token to experts E .. E + S - 1 at weight 1 too. The routed weights are copied once (a layer's worth of
+        memory for a moment)."""
         mlp = self.shared_experts
         if not self.kernels.shared_experts_fused or mlp is None:
             return
         expert_parallel = self.tp.ep_size > 1 or self.tp.exchanges_tokens
         if reason := shared_fusion_blocker(self.cfg, self.tp.size, expert_parallel, self.fp8_block):
             raise UsageError(f"--shared-experts-backend fused: {reason}; use --shared-experts-backend separate")
-        e, n, s = self.num_local_experts, self.w2.shape[2], self.cfg.n_shared_experts
+        n, s = self.w2.shape[2], self.cfg.n_shared_experts
         gate, up = ((mlp.gate_up_proj.weight[: mlp.local], mlp.gate_up_proj.weight[mlp.local:])
                     if mlp.gate_up_proj is not None else (mlp.gate_proj.weight, mlp.up_proj.weight))
         shared13 = torch.stack([torch.cat((gate[j * n:(j + 1) * n], up[j * n:(j + 1) * n])) for j in range(s)])
@@ -163,14 +164,13 @@ class MoE(nn.Module):
             self.w2_scale = nn.Parameter(torch.cat((self.w2_scale, s2)), requires_grad=False)
         self.shared_experts = None
         self.fused_shared = s
-        dev = self.w13.device
-        self.register_buffer("shared_ids", torch.arange(e, e + s, dtype=torch.int32, device=dev), persistent=False)
-        self.register_buffer("shared_weights", torch.ones(s, dtype=torch.float32, device=dev), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, global expert ids [T, k] int32) of the replicated router."""
+        """(weights [T, k] float32, global expert ids [T, k] int32) of the replicated router; with the shared
+        experts fused, k + S columns (every token also takes experts E .. E + S - 1 at weight 1)."""
         logits = F.linear(x.float(), self.gate_weight)
-        return select_experts(logits, self.cfg, self.e_score_correction_bias, self.kernels.moe_gate)
+        return select_experts(logits, self.cfg, self.e_score_correction_bias, self.kernels.moe_gate,
+                              self.fused_shared)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: every token of the step on every rank (gather path), or this rank's attention group's tokens
@@ -180,10 +180,6 @@ class MoE(nn.Module):
         weights, ids = self.route(x)
         if self.tp.ep_size > 1:
             ids = local_expert_ids(ids, self.first_expert, self.num_local_experts)
-        if self.fused_shared:  # every token also to the shared experts, weight 1
-            rows = ids.shape[0]
-            ids = torch.cat((ids, self.shared_ids.expand(rows, -1)), dim=1)
-            weights = torch.cat((weights, self.shared_weights.expand(rows, -1)), dim=1)
         out = ctx.moe_backend.experts(self, x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

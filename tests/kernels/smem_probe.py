@@ -16,7 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fp8, fused_moe, mla_decode, mla_extend, mla_rope_cache, rms_norm, rms_norm_quant, silu_mul_quant
+from kernels import (
+    fp8,
+    fused_moe,
+    mla_decode,
+    mla_extend,
+    mla_rope_cache,
+    moe_gate,
+    rms_norm,
+    rms_norm_quant,
+    silu_mul_quant,
+)
 
 _TL = {torch.float32: ("fp32", tl.float32), torch.bfloat16: ("bf16", tl.bfloat16)}
 DECODE_ROWS = (16, 32, 128)  # V2-Lite / TP-8 V3, 16 heads x 2 draft rows, DP-attention V3 at 128 heads
@@ -101,6 +111,16 @@ def moe_gemm_bytes(split_k: int, gated: bool) -> int:
     return _compile_sm90(fused_moe._moe_gemm_kernel, sig, cons, num_warps=4, num_stages=4)
 
 
+def moe_gate_bytes(n_shared: int) -> int:
+    """kernels/moe_gate.py's router top-k at V3's shape (noaux_tc, 256 experts in 8 groups, top-8), with and
+    without the shared experts' columns."""
+    sig = dict(logits_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i32", T="i32", E="i32",
+               stride_lt="i32", scaling="fp32")
+    cons = dict(TOP_K=8, N_GROUP=8, TOPK_GROUP=4, GROUP_SIZE=32, METHOD=0, SIGMOID=True, HAS_BIAS=True, NORM=True,
+                N_SHARED=n_shared, BLOCK_T=8, BLOCK_E=256, BLOCK_G=8, BLOCK_K=16 if n_shared else 8)
+    return _compile_sm90(moe_gate._moe_gate_kernel, sig, cons, num_warps=4)
+
+
 def decode_bytes(rows: int, dtype: torch.dtype) -> int:
     cfg = mla_decode.default_config(rows, dtype)
     ptr, compute = _TL[dtype]
@@ -145,6 +165,8 @@ def main() -> None:
             out[f"rms_norm{' quant' if quant else ''}{' + residual' if residual else ''}"] = norm_bytes(quant, residual)
     for split_k, quant_a in ((1, False), (4, False), (4, True)):
         out[f"block_fp8_gemm split {split_k}{' quant' if quant_a else ''}"] = block_gemm_bytes(split_k, quant_a)
+    for n_shared in (0, 1):
+        out[f"moe_gate shared {n_shared}"] = moe_gate_bytes(n_shared)
     for split_k, gated in ((1, True), (4, True), (4, False)):
         out[f"moe_gemm split {split_k}{' gated' if gated else ''}"] = moe_gemm_bytes(split_k, gated)
     print(json.dumps(out))

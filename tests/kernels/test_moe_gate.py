@@ -49,6 +49,23 @@ def test_gate_matches_ref(method, t):
         torch.testing.assert_close(weights.sum(-1), torch.full((t,), kw["routed_scaling_factor"]))
 
 
+@pytest.mark.parametrize("n_shared", [1, 2])
+@pytest.mark.parametrize("method", list(CASES))
+def test_gate_appends_shared_experts(method, n_shared):
+    """With n_shared (shared experts fused into the routed launch): the routed columns as without, then ids
+    E .. E + n_shared - 1 at weight 1, from the kernel and the reference alike."""
+    e, kw = _kwargs(method)
+    logits, bias = _logits(6, e, seed=21)
+    routed_w, routed_i = moe_gate(logits, correction_bias=bias, **kw)
+    weights, ids = moe_gate(logits, correction_bias=bias, n_shared=n_shared, **kw)
+    w_ref, i_ref = moe_gate_ref(logits, correction_bias=bias, n_shared=n_shared, **kw)
+    k = kw["top_k"]
+    assert ids.shape == (6, k + n_shared) and torch.equal(ids, i_ref) and torch.equal(ids[:, :k], routed_i)
+    torch.testing.assert_close(weights, w_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weights[:, :k], routed_w, rtol=0, atol=0)
+    assert (ids[:, k:] == torch.arange(e, e + n_shared, dtype=torch.int32)).all() and (weights[:, k:] == 1).all()
+
+
 @pytest.mark.parametrize("gate", [torch_gate, triton_gate], ids=["torch", "triton"])
 @pytest.mark.parametrize("method", list(CASES))
 def test_gate_matches_engine_router(method, gate):
