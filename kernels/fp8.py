@@ -33,7 +33,7 @@ from kernels.fp8_math import (
     quantize_groups,
 )
 from kernels.interpret import interpreting
-from kernels.split_k import arrivals, arrive, scratch, split_k_for, sum_slots, tile_slots
+from kernels.split_k import arrive, k_range, plan, sum_slots, tile_slots
 from kernels.tile_order import grouped_tile
 from kernels.tuned_configs import get_fp8_gemm_config
 
@@ -171,10 +171,7 @@ def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, count_pt
     rows = (offs_m % M).to(tl.int64)  # wrap: out-of-range rows read valid memory, never stored
     cols = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_SIZE_K)
-    k_blocks = tl.cdiv(K, BLOCK_SIZE_K)
-    per_split = tl.cdiv(k_blocks, SPLIT_K)
-    k_first = split * per_split
-    k_end = tl.minimum(k_first + per_split, k_blocks)
+    k_first, k_end = k_range(K, BLOCK_SIZE_K, SPLIT_K, split)
     a_ptrs = a_ptr + rows[:, None] * stride_am + (k_first * BLOCK_SIZE_K + offs_k[None, :]) * stride_ak
     b_ptrs = b_ptr + cols[None, :] * stride_bn + (k_first * BLOCK_SIZE_K + offs_k[:, None]) * stride_bk
     as_ptrs = as_ptr + rows * stride_asm
@@ -426,11 +423,7 @@ def _block_gemm(a, a_s, b_fp8, b_scale, block, out_dtype, cfg, out):
     block_m, block_n = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"]
     block_k = bk if quant_a else min(cfg["BLOCK_SIZE_K"], bk)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = split_k_for(tiles, cdiv(k, block_k), a.device, cfg)
-    if split > 1:
-        partials, counts = scratch(tiles, split, block_m, block_n, a.device), arrivals(a.device)
-    else:
-        partials = counts = out  # not read without a split
+    split, partials, counts = plan(tiles, cdiv(k, block_k), cfg, block_m, block_n, out)
     _block_fp8_gemm_kernel[(tiles, split)](
         a, a if quant_a else a_s, b_fp8, b_scale, out, partials, counts, m, n, k,
         a.stride(0), a.stride(1), *((0, 0) if quant_a else (a_s.stride(0), a_s.stride(1))),

@@ -41,7 +41,7 @@ from kernels.moe_common import (
     split_config,
     tile_rows,
 )
-from kernels.split_k import arrivals, arrive, scratch, split_k_for, sum_slots, tile_slots
+from kernels.split_k import arrive, k_range, plan, sum_slots, tile_slots
 from kernels.tile_order import grouped_tile
 from kernels.tuned_configs import get_moe_config, moe_dtype_name
 
@@ -129,10 +129,7 @@ def _moe_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_rows = rid // A_ROW_DIV
 
-    k_blocks = tl.cdiv(K, BLOCK_SIZE_K)
-    per_split = tl.cdiv(k_blocks, SPLIT_K)
-    k_first = split * per_split
-    k_end = tl.minimum(k_first + per_split, k_blocks)
+    k_first, k_end = k_range(K, BLOCK_SIZE_K, SPLIT_K, split)
     offs_kf = k_first * BLOCK_SIZE_K + offs_k
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_kf[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + offs_kf[:, None] * stride_bk
@@ -226,12 +223,8 @@ def _launch_gemm(a, a_s, b, b_s, c, topk_w, al, *, fp8, block_shape, cfg, **gemm
     if fp8:
         bk = block_shape[1] if quant_a else min(bk, block_shape[1])
     tiles = al.expert_ids.shape[0] * triton.cdiv(gemm["n_out"], cfg["BLOCK_SIZE_N"])
-    split = split_k_for(tiles, triton.cdiv(gemm["k"], bk), c.device, cfg)
-    if split > 1:
-        parts = split * (2 if gemm["gated"] else 1)
-        ws, counts = scratch(tiles, parts, al.block_m, cfg["BLOCK_SIZE_N"], c.device), arrivals(c.device)
-    else:
-        ws = counts = c  # not read without a split
+    split, ws, counts = plan(tiles, triton.cdiv(gemm["k"], bk), cfg, al.block_m, cfg["BLOCK_SIZE_N"], c,
+                             slots_per_part=2 if gemm["gated"] else 1)
     launch_gemm(_moe_gemm_kernel, a, a_s, b, b_s if fp8 else None, c, topk_w, al, block_k=bk, cfg=cfg, **gemm,
                 split_k=split, ws_ptr=ws, count_ptr=counts, SPLIT_K=split,
                 USE_FP8=fp8, QUANT_A=quant_a, GROUP_N=block_shape[0], GROUP_K=block_shape[1])

@@ -27,18 +27,29 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_k_for(tiles: int, k_blocks: int, device: torch.device, cfg: dict, key: str = "SPLIT_K") -> int:
-    """How many parts the K loop of a launch with `tiles` output tiles is split into: the config's `key` when it
-    has one (a tuned file's), else, on a GPU, enough parts for about SPLIT_K_PROGRAMS_PER_SM programs per SM,
+def split_k_for(tiles: int, k_blocks: int, device: torch.device, cfg: dict) -> int:
+    """How many parts the K loop of a launch with `tiles` output tiles is split into: the config's SPLIT_K when
+    it has one (a tuned file's), else, on a GPU, enough parts for about SPLIT_K_PROGRAMS_PER_SM programs per SM,
     each summing at least SPLIT_K_MIN_BLOCKS K blocks. 1 (no split) on CPU or past COUNT_SLOTS tiles."""
     if tiles > COUNT_SLOTS:
         return 1
-    if key in cfg:
-        return max(1, min(int(cfg[key]), k_blocks))
+    if "SPLIT_K" in cfg:
+        return max(1, min(int(cfg["SPLIT_K"]), k_blocks))
     if device.type != "cuda":
         return 1
     want = triton.cdiv(SPLIT_K_PROGRAMS_PER_SM * _sm_count(device), max(tiles, 1))
     return max(1, min(want, k_blocks // SPLIT_K_MIN_BLOCKS))
+
+
+def plan(tiles: int, k_blocks: int, cfg: dict, block_m: int, block_n: int, out: torch.Tensor,
+         slots_per_part: int = 1) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(split, scratch, arrival counts) of one launch (`split_k_for`): the float32 slots for `slots_per_part`
+    partial tiles per part (the gated MoE keeps gate and up) and the device's counts; without a split both are
+    `out`, which the kernel then never reads as such."""
+    split = split_k_for(tiles, k_blocks, out.device, cfg)
+    if split == 1:
+        return 1, out, out
+    return split, scratch(tiles, split * slots_per_part, block_m, block_n, out.device), arrivals(out.device)
 
 
 def arrivals(device: torch.device) -> torch.Tensor:
@@ -52,6 +63,16 @@ def arrivals(device: torch.device) -> torch.Tensor:
 def scratch(tiles: int, parts: int, block_m: int, block_n: int, device: torch.device) -> torch.Tensor:
     """Float32 slots for `parts` partial tiles of each of `tiles` tiles."""
     return torch.empty(tiles * parts * block_m * block_n, dtype=torch.float32, device=device)
+
+
+@triton.jit
+def k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, split):
+    """[first, end) of the K blocks part `split` of SPLIT_K sums (contiguous runs; the last may be short or
+    empty)."""
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_blocks, SPLIT_K)
+    k_first = split * per_split
+    return k_first, tl.minimum(k_first + per_split, k_blocks)
 
 
 @triton.jit

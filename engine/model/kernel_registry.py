@@ -199,10 +199,7 @@ def check_token_exchange(setup: KernelSetup) -> None:
 
 
 def shared_fusion_blocked(setup: KernelSetup) -> Optional[str]:
-    group = setup.group
-    expert_parallel = group is not None and (group.ep_size > 1 or group.exchanges_tokens)
-    return shared_fusion_blocker(setup.config, group.size if group is not None else setup.tp_size, expert_parallel,
-                                 setup.fp8_block)
+    return shared_fusion_blocker(setup.config, setup.group, setup.tp_size, setup.fp8_block)
 
 
 def check_shared_fusion(setup: KernelSetup) -> None:

@@ -141,8 +141,7 @@ class MoE(nn.Module):
         mlp = self.shared_experts
         if not self.kernels.shared_experts_fused or mlp is None:
             return
-        expert_parallel = self.tp.ep_size > 1 or self.tp.exchanges_tokens
-        if reason := shared_fusion_blocker(self.cfg, self.tp.size, expert_parallel, self.fp8_block):
+        if reason := shared_fusion_blocker(self.cfg, self.tp, self.tp.size, self.fp8_block):
             raise UsageError(f"--shared-experts-backend fused: {reason}; use --shared-experts-backend separate")
         n, s = self.w2.shape[2], self.cfg.n_shared_experts
         gate, up = ((mlp.gate_up_proj.weight[: mlp.local], mlp.gate_up_proj.weight[mlp.local:])
@@ -204,16 +203,17 @@ class MoE(nn.Module):
         return gather_shares(out[: end - start], x.shape[0], per, group)
 
 
-def shared_fusion_blocker(cfg: ModelConfig, tp_size: int, expert_parallel: bool, fp8_block) -> Optional[str]:
-    """Why a MoE layer's shared experts cannot join the routed experts' launch in this layout (None: they can)."""
+def shared_fusion_blocker(cfg: ModelConfig, group: Optional[TPGroup], tp_size: int, fp8_block) -> Optional[str]:
+    """Why a MoE layer's shared experts cannot join the routed experts' launch in this layout (None: they can);
+    `group` the model's TP group where one exists, else `tp_size` ranks without EP."""
     if not (cfg.n_routed_experts and cfg.n_shared_experts):
         return "the model has no shared experts"
     if cfg.experts_int4_group:
         return "W4AFP8 routed experts are INT4 and the shared experts FP8, so they run apart"
-    if expert_parallel:
+    if group is not None and (group.ep_size > 1 or group.exchanges_tokens):
         return ("under expert parallelism a rank holds whole routed experts but a share of the shared ones (or all "
                 "of them, for its own tokens)")
-    n = cfg.moe_intermediate_size // tp_size
+    n = cfg.moe_intermediate_size // (group.size if group is not None else tp_size)  # the MoE splits over the group
     if fp8_block is not None and (n % fp8_block[0] or n % fp8_block[1]):
         return (f"this rank's routed expert width {n} is not whole {fp8_block[0]}-row FP8 blocks, so the shared "
                 "experts' scales cannot be cut into experts")
