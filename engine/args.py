@@ -283,8 +283,9 @@ class KernelArgs:
         "decode batch replays a graph; a larger batch would run eagerly, several times slower).",
     )
     cuda_graph_bs: Optional[str] = flag(
-        None, "Comma-separated decode batch sizes to capture (default: 1,2,4,8 then steps of 8 up to "
-        "--cuda-graph-max-bs). Batches are padded to the nearest captured size.",
+        None, "Comma-separated decode batch sizes to capture (default: 1,2,4,8, steps of 8 up to 128, then steps of "
+        "16 up to --cuda-graph-max-bs, which is itself captured). Batches are padded to the nearest captured "
+        "size.",
     )
     piecewise_cuda_graph_max_tokens: Optional[int] = flag(
         None, "Extend (prefill and mixed prefill + decode) steps of up to this many tokens replay piecewise CUDA "
@@ -363,8 +364,9 @@ class KernelArgs:
                 raise UsageError(f"--cuda-graph-bs must be comma-separated integers "
                                  f"(got {self.cuda_graph_bs!r})") from None
         max_bs = self.cuda_graph_max_bs or default_max_bs
-        sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, max_bs + 1, 8))
-        return sorted(set(sizes + [max_bs]))
+        # above 128 rows a padded row costs little of a step, and each size is a capture at start-up
+        sizes = [1, 2, 4] + list(range(8, 129, 8)) + list(range(144, max_bs + 1, 16))
+        return sorted({b for b in sizes if b < max_bs} | {max_bs})
 
 
 @dataclass

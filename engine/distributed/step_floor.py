@@ -74,11 +74,14 @@ def step_floor_s(cfg: ModelConfig, n_layers: int, bs: int, ctx: int, kv_bytes: i
     return step_bytes(cfg, n_layers, bs, ctx, kv_bytes, weight_bytes, tp, dp, kv_dim) / bw
 
 
-def serving_floor_ms(model: str, n_layers: int, bs: int, ctx: int, bw: float, tp: int = 1, dp: int = 1) -> float:
+def serving_floor_ms(model: str, n_layers: int, bs: int, ctx: int, bw: float, tp: int = 1, dp: int = 1,
+                     fp8: bool = False) -> float:
     """The bytes floor of one decode step of a served registry model (dummy weights: FP8 where the
-    checkpoint is block-FP8, else bf16; bf16 KV) at batch bs and context ctx, in ms, per GPU of the layout."""
+    checkpoint is block-FP8 or `fp8` (--quantization fp8), else bf16; bf16 KV) at batch bs and context ctx, in ms,
+    per GPU of the layout."""
     cfg = parse_config(lookup(model).config_dict())
-    return step_floor_s(cfg, n_layers or cfg.num_hidden_layers, bs, ctx, 2, bw, 1 if cfg.fp8 else 2, tp, dp) * 1e3
+    weight_bytes = 1 if cfg.fp8 or fp8 else 2
+    return step_floor_s(cfg, n_layers or cfg.num_hidden_layers, bs, ctx, 2, bw, weight_bytes, tp, dp) * 1e3
 
 
 def copy_bandwidth(device: Union[str, torch.device] = "cuda") -> float:

@@ -148,8 +148,8 @@ class MoE(nn.Module):
                     if mlp.gate_up_proj is not None else (mlp.gate_proj.weight, mlp.up_proj.weight))
         shared13 = torch.stack([torch.cat((gate[j * n:(j + 1) * n], up[j * n:(j + 1) * n])) for j in range(s)])
         shared2 = torch.stack([mlp.down_proj.weight[:, j * n:(j + 1) * n] for j in range(s)])
-        self.w13 = nn.Parameter(torch.cat((self.w13, shared13)), requires_grad=False)
-        self.w2 = nn.Parameter(torch.cat((self.w2, shared2)), requires_grad=False)
+        self._append("w13", shared13)
+        self._append("w2", shared2)
         if self.fp8_block is not None:
             bn, bk = self.fp8_block
             g13 = (mlp.gate_up_proj.weight_scale_inv.split(mlp.local // bn) if mlp.gate_up_proj is not None
@@ -159,10 +159,21 @@ class MoE(nn.Module):
                                for j in range(s)])
             cols = n // bk
             s2 = torch.stack([mlp.down_proj.weight_scale_inv[:, j * cols:(j + 1) * cols] for j in range(s)])
-            self.w13_scale = nn.Parameter(torch.cat((self.w13_scale, s13)), requires_grad=False)
-            self.w2_scale = nn.Parameter(torch.cat((self.w2_scale, s2)), requires_grad=False)
+            self._append("w13_scale", s13)
+            self._append("w2_scale", s2)
         self.shared_experts = None
         self.fused_shared = s
+
+    def _append(self, name: str, extra: torch.Tensor) -> None:
+        """Parameter `name` with `extra` appended along dim 0. The old tensor's memory goes back to the driver at
+        once: left cached, each layer's freed copy is a hole that the next, larger copy cannot use and that smaller
+        allocations split, and at depth on a nearly full GPU the holes add up (V2 at TP 2 on 2 x H200 ran out of
+        memory with 25 GB cached)."""
+        old = getattr(self, name)
+        setattr(self, name, nn.Parameter(torch.cat((old, extra)), requires_grad=False))
+        if old.is_cuda:
+            del old
+            torch.cuda.empty_cache()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, global expert ids [T, k] int32) of the replicated router; with the shared

@@ -27,11 +27,12 @@ eagerly at replay: the CPU tests drive the padded paths (DP attention's included
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -40,19 +41,27 @@ from engine.runner.triton_precompile import precompile
 
 log = logging.getLogger(__name__)
 
+WARM_UPS_FIRST = 2  # eager forwards before the first (largest) size's capture
+WARM_UPS = 1  # before each later size's
+
 
 class CudaGraphRunner:
     def __init__(self, forward: Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor]], batch_sizes: list[int],
                  padding_row: int, device: torch.device, compiled_forward=None, compile_max_bs: int = 0,
                  prepare: Callable[[ForwardBatch, int], None] = lambda fb, bs: None, capture: bool = True,
-                 spec_hidden: Optional[tuple[int, torch.dtype]] = None, compile_workers: int = 0):
+                 spec_hidden: Optional[tuple[int, torch.dtype]] = None, compile_workers: int = 0,
+                 record_scope: Callable[[], ContextManager] = contextlib.nullcontext):
         """spec_hidden: (width, dtype) of the MTP layer's hidden-state input, for graphs of its forward;
-        compile_workers: processes that compile the Triton kernels of every size before capture (0: none)."""
+        compile_workers: processes that compile the Triton kernels of every size before capture (0: none);
+        record_scope: entered around the precompile's recording forwards (the model's `representative_layers`:
+        the kernels are the same at any depth, and the pass then takes two layers' time)."""
         self.sizes = sorted(batch_sizes)
         self.forward = forward
         self.max_bs = self.sizes[-1]
         self.padding_row = padding_row
         self.prepare = prepare
+        self.device = device
+        self.record_scope = record_scope
         n = self.max_bs
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -72,25 +81,44 @@ class CudaGraphRunner:
             return
         if compile_workers:
             self.precompiled = self._precompile(compile_workers)
+        self._capture_all(compiled_forward, compile_max_bs)
+
+    def _capture_all(self, compiled_forward, compile_max_bs: int) -> None:
+        """One graph per size, largest first, all in one memory pool. The first size runs two warm-up forwards
+        (lazy initialisation, kernels loaded, allocator blocks); each later size one (its own Triton
+        specialisations and tuned configs loaded before capture). Logs where the time went."""
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
-        for bs in reversed(self.sizes):
+        stream = torch.cuda.Stream(self.device)
+        split = {"warm-up": 0.0, "record": 0.0, "instantiate": 0.0}
+        for i, bs in enumerate(reversed(self.sizes)):
             t0 = time.perf_counter()
-            fn = compiled_forward if compiled_forward is not None and bs <= compile_max_bs else forward
+            fn = compiled_forward if compiled_forward is not None and bs <= compile_max_bs else self.forward
             fb = self.batches[bs] = self._batch(bs)
-            prepare(fb, bs)
-            stream.wait_stream(torch.cuda.current_stream(device))
+            self.prepare(fb, bs)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: autotuning, lazy init, compilation
+                for _ in range(WARM_UPS_FIRST if i == 0 else WARM_UPS):
                     fn(fb)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            t1 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bs] = fn(fb)
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=pool)
+                try:
+                    self.outputs[bs] = fn(fb)
+                    t2 = time.perf_counter()
+                finally:
+                    graph.capture_end()
             self.graphs[bs] = graph
-            torch.cuda.synchronize(device)
-            self.capture_seconds[bs] = time.perf_counter() - t0
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            t3 = time.perf_counter()
+            self.capture_seconds[bs] = t3 - t0
+            for name, secs in zip(split, (t1 - t0, t2 - t1, t3 - t2)):
+                split[name] += secs
+        log.info("CUDA graphs: %d decode sizes (%d-%d) in %.1f s: %s", len(self.sizes), self.sizes[0], self.max_bs,
+                 sum(self.capture_seconds.values()), ", ".join(f"{k} {v:.1f} s" for k, v in split.items()))
         log.debug("CUDA graph capture seconds per batch size: %s",
                   {bs: round(t, 2) for bs, t in sorted(self.capture_seconds.items())})
 
@@ -111,7 +139,8 @@ class CudaGraphRunner:
             self.prepare(fb, bs)
             self.forward(fb)
 
-        report = precompile([functools.partial(run, bs) for bs in reversed(self.sizes)], workers)
+        with self.record_scope():
+            report = precompile([functools.partial(run, bs) for bs in reversed(self.sizes)], workers)
         torch.cuda.synchronize()
         return report
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Protocol
+from typing import Callable, ContextManager, Optional, Protocol
 
 import torch
 
@@ -277,6 +277,10 @@ class ModelRunner:
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_TOKENS
         per_token = cache_layers * self.kv_row_dim * torch.finfo(kv_dtype).bits // 8
+        # the tensors that the weight merges and the shared-expert fusion replaced are free but cached: give them
+        # back first, or the driver counts them as used (V2 at TP 2 on 2 x H200 got a pool of 145k tokens where
+        # the memory plan had 193k: about the 3 GB those merges free at 60 layers)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         # the memory plan's rule (engine/memory/plan.py); too few tokens: `_check_pool` refuses, with the fixes
         return kv_pool_tokens(total, total - free, self.args.cache.mem_fraction_static, per_token)
@@ -313,7 +317,8 @@ class ModelRunner:
         if self.draft is not None:  # tree forwards run through the graphs with their KV lists in scratch rows
             self.req_to_token.reserve_scratch(max(batch_sizes))
         with torch.inference_mode():
-            self.graphs = self.graph_runner(self._forward_eager, batch_sizes, capture)
+            self.graphs = self.graph_runner(self._forward_eager, batch_sizes, capture,
+                                            record_scope=self.model.representative_layers)
             if self.dp is not None:
                 self.dp.graph_sizes = self.graphs.sizes
             if self.draft is not None:
@@ -339,14 +344,16 @@ class ModelRunner:
         return self.piecewise.sizes if self.piecewise is not None else ()
 
     def graph_runner(self, forward: EagerForward, batch_sizes: list[int], capture: bool,
-                     spec_hidden: Optional[tuple[int, torch.dtype]] = None) -> CudaGraphRunner:
+                     spec_hidden: Optional[tuple[int, torch.dtype]] = None,
+                     record_scope: Callable[[], ContextManager] = nullcontext) -> CudaGraphRunner:
         """CUDA graphs of `forward` (the model's or the draft's) at `batch_sizes`, over this runner's request
-        table and forward context; spec_hidden: (width, dtype) of an MTP layer's hidden-state input."""
+        table and forward context; spec_hidden: (width, dtype) of an MTP layer's hidden-state input;
+        record_scope: around the Triton precompile's recording forwards."""
         compiled = torch.compile(forward, dynamic=False) if self._compiles(capture) else None
         return CudaGraphRunner(forward, batch_sizes, self.req_to_token.padding_row, self.device,
                                compiled_forward=compiled, compile_max_bs=self.args.kernels.torch_compile_max_bs,
                                prepare=self._prepare_graph, capture=capture, spec_hidden=spec_hidden,
-                               compile_workers=self.compile_workers if capture else 0)
+                               compile_workers=self.compile_workers if capture else 0, record_scope=record_scope)
 
     def _compiles(self, capture: bool) -> bool:
         return capture and self.args.kernels.enable_torch_compile

@@ -146,12 +146,15 @@ class PiecewiseGraphs:
         t0 = time.perf_counter()
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(self.device)
+        warm_up = 0.0
         for n in reversed(self.sizes):
             fb = self._static_batch(n)
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
+                t1 = time.perf_counter()
                 self._run_model(fb)  # warm-up: lazy initialisation, kernels loaded before capture
                 torch.cuda.synchronize(self.device)
+                warm_up += time.perf_counter() - t1
                 first = torch.cuda.CUDAGraph()
                 self._capturing = [first]
                 first.capture_begin(pool=self._pool)
@@ -165,8 +168,8 @@ class PiecewiseGraphs:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
             torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
-        log.info("piecewise CUDA graphs: %d token buckets up to %d, %d layers each, captured in %.1f s",
-                 len(self.sizes), self.max_tokens, len(self.layers), self.capture_seconds)
+        log.info("piecewise CUDA graphs: %d token buckets up to %d, %d layers each, captured in %.1f s (warm-up "
+                 "forwards %.1f s)", len(self.sizes), self.max_tokens, len(self.layers), self.capture_seconds, warm_up)
 
     def release(self) -> None:
         for chain in self.chains.values():

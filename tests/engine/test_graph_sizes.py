@@ -29,6 +29,16 @@ def test_default_covers_every_running_batch():
     assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 100 and all(b % 8 == 0 for b in sizes[3:-1])
 
 
+def test_default_steps_of_16_above_128():
+    """Each size is a capture at start-up (60 layers: about 0.3 s each); above 128 rows a padded row costs little
+    of a step, so the default steps by 16 there: 27 sizes up to 256 instead of 35."""
+    sizes = _sizes(max_running_requests=256)
+    assert len(sizes) == 27 and sizes[:4] == [1, 2, 4, 8]
+    assert [b for b in sizes if b <= 128] == [1, 2, 4] + list(range(8, 129, 8))
+    assert [b for b in sizes if b > 128] == list(range(144, 257, 16))
+    assert _sizes(max_running_requests=200)[-2:] == [192, 200]
+
+
 def test_explicit_max_and_list_win():
     assert _sizes(cuda_graph_max_bs=160)[-1] == 160
     assert _sizes(cuda_graph_bs="1,3,17") == [1, 3, 17]

@@ -6,8 +6,8 @@
   within float32 reordering; the shared MLP is gone and its bytes are in w13 / w2 (nothing more is allocated);
 - where the layout forbids it (expert parallelism, W4AFP8 experts, FP8 shares that are not whole blocks, no shared
   experts) 'auto' keeps them separate and 'fused' is refused at start-up with the reason;
-- the engine on the tiny model (CPU, float32): the same greedy tokens and log-probs fused and separate; on a GPU
-  (marked gpu) tiny-fp8 fuses by default, with the same first tokens.
+- the engine on the tiny model (float32): the same greedy tokens and log-probs fused and separate, on CPU and (marked
+  gpu) on a GPU, where 'auto' fuses; on a GPU the layer's FP8 case runs the compiled kernels.
 """
 
 from __future__ import annotations
@@ -79,21 +79,35 @@ LAYER_CASES = [(backend, fp8, shared, tp) for backend in ("torch",) for fp8 in (
 LAYER_CASES += [("triton", False, 1, 1), ("triton", True, 2, 2)]  # the fused kernel (interpreter): two of them
 
 
-@pytest.mark.parametrize("backend,fp8,shared,tp_size", LAYER_CASES)
-@CPU_ONLY
-def test_fused_layer_equals_the_separate_shared_mlp(backend, fp8, shared, tp_size):
+def _layer_outputs(backend, fp8, shared, tp_size, device="cpu"):
     cfg = _cfg(n_shared_experts=shared)
     tp = TPGroup(rank=0, size=tp_size, ranks=tuple(range(tp_size))) if tp_size > 1 else None
-    apart, fused = _layer(cfg, fp8, False, tp), _layer(cfg, fp8, True, tp)
+    apart, fused = _layer(cfg, fp8, False, tp).to(device), _layer(cfg, fp8, True, tp).to(device)
     before = _bytes(fused)
     fused.fuse_shared_experts()
     apart.fuse_shared_experts()  # separate: nothing moves
     assert fused.shared_experts is None and fused.w13.shape[0] == 16 + shared and _bytes(fused) == before
     assert apart.shared_experts is not None and apart.w13.shape[0] == 16
-    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(device)
     ctx = ForwardContext(None, None, None, None, TritonMoEBackend() if backend == "triton" else TorchMoEBackend())
     with torch.inference_mode():
-        want, got = apart(x, ctx), fused(x, ctx)
+        return apart(x, ctx), fused(x, ctx)
+
+
+@pytest.mark.parametrize("backend,fp8,shared,tp_size", LAYER_CASES)
+@CPU_ONLY
+def test_fused_layer_equals_the_separate_shared_mlp(backend, fp8, shared, tp_size):
+    want, got = _layer_outputs(backend, fp8, shared, tp_size)
+    assert want.abs().max() > 0.01
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shared,tp_size", [(1, 1), (2, 2)])
+def test_gpu_fused_layer_equals_the_separate_shared_mlp(shared, tp_size):
+    """The compiled kernels (block-FP8 GEMMs, the fused MoE) on the GPU, float32 activations: as on CPU."""
+    want, got = _layer_outputs("triton", True, shared, tp_size, device="cuda")
     assert want.abs().max() > 0.01
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * want.abs().max().item())
 
@@ -126,6 +140,7 @@ def _generate(backend: str, model="tiny", device="cpu", dtype="float32"):
         moes = [m for m in eng.runner.model.modules() if isinstance(m, MoE)]
         fused = eng.runner.kernel_choice.shared_experts == "fused"
         assert moes and all((m.fused_shared == 1) == fused for m in moes) and fused == (backend != "separate")
+        assert eng.runner.graphs is not None or device == "cpu"
         g = torch.Generator().manual_seed(5)
         prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 4, 23)]
         sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
@@ -140,21 +155,11 @@ def test_engine_tokens_equal_fused_and_separate():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_engine_fused_by_default_same_first_tokens():
-    """tiny-fp8 on the GPU (FP8 weights, the Triton kernels, CUDA graphs, bf16): 'auto' fuses, and the first token
-    of 12 prompts is the same as with separate shared experts, its log-prob within bf16 rounding (the shared output
-    is summed with the routed ones in the fused MoE instead of added in bf16 after it, so longer greedy runs of this
-    random-weight model may part where two logits nearly tie: the first GPU run parted at the 7th token of one)."""
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in range(3, 39, 3)]
-    sp = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True, logprobs=True)
-    runs = {}
-    for backend in ("auto", "separate"):
-        eng = Engine(model="tiny-fp8", device="cuda", dtype="bfloat16", shared_experts_backend=backend,
-                     max_total_tokens=4096)
-        try:
-            assert eng.runner.kernel_choice.shared_experts == ("fused" if backend == "auto" else "separate")
-            runs[backend] = eng.generate(input_ids=prompts, sampling_params=sp)
-        finally:
-            eng.close()
-    assert logprob_gap(runs["auto"], runs["separate"]) < 0.05
+def test_gpu_engine_fused_by_default_same_tokens():
+    """The engine on the GPU (the Triton router writing the shared columns, the fused MoE kernel, CUDA graphs),
+    tiny in float32: 'auto' fuses, with the same greedy tokens as separate shared experts and log-probs within
+    float32 reordering. Not tiny-fp8: with FP8 activations any reordering flips some e4m3 roundings, and the next
+    layers' quantisations carry them on (fused and separate parted after a few tokens on an H200 in float32 and
+    in bf16); the FP8 kernels' equality is the layer test's above."""
+    runs = {backend: _generate(backend, device="cuda") for backend in ("auto", "separate")}
+    assert logprob_gap(runs["auto"], runs["separate"]) < 1e-3
