@@ -12,7 +12,7 @@
 #   TAG=start CONCS= bash benchmarks/serve_sweep.sh   (start-up only: time to healthy and the ranks' phases)
 set -u
 OUT=${OUT:-$PWD/serve-out}; TAG=${TAG:-sweep}; MODEL=${MODEL:-deepseek-v3}; LAYERS=${LAYERS:-5}
-CONCS=${CONCS-"1 8 32 128 256 512 1024"}  # CONCS="" : start-up only (no level); IN=${IN:-1024}; OUTLEN=${OUTLEN:-256}; PORT=${PORT:-30555}
+CONCS=${CONCS-"1 8 32 128 256 512 1024"}; IN=${IN:-1024}; OUTLEN=${OUTLEN:-256}; PORT=${PORT:-30555}  # CONCS=: no level
 TREE=${TREE:-.}; EXTRA=${EXTRA:-}; LAYOUT=${LAYOUT:-tp1}
 mkdir -p "$OUT"
 read -r -a layout_flags <<< "$(python3 benchmarks/layouts.py "$LAYOUT")" || exit 1
