@@ -1,5 +1,19 @@
-"""One check shared by the tests that compare a path against a reference engine (graphs, TP ranks,
-speculation): the same tokens, and how far apart their log-probs are."""
+"""What the tests that compare a path against a reference engine (graphs, TP ranks, speculation, fused kernels)
+share: greedy runs with log-probs on random prompts, and the check that two runs hold the same tokens and how far
+apart their log-probs are."""
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+def greedy_outputs(eng, lengths, seed: int, max_new_tokens: int = 8):
+    """`eng`'s greedy outputs, with log-probs, for random prompts of `lengths` tokens (ids below 256, drawn from
+    `seed`)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, logprobs=True)
+    return eng.generate(input_ids=prompts, sampling_params=sp)
 
 
 def logprob_gap(got, ref) -> float:

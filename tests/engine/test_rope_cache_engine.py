@@ -13,19 +13,15 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.sampling import SamplingParams
 from kernels.interpret import interpreting
-from tests.same_outputs import logprob_gap
+from tests.same_outputs import greedy_outputs, logprob_gap
 
 
 def _generate(backend: str, **flags):
     eng = Engine(model="tiny", rope_cache_backend=backend, max_total_tokens=4096, **flags)
     try:
         assert (eng.runner.kernels.rope_cache is not None) == (backend == "triton")
-        g = torch.Generator().manual_seed(3)
-        prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (11, 5, 30)]
-        sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
-        return eng.generate(input_ids=prompts, sampling_params=sp)
+        return greedy_outputs(eng, (11, 5, 30), seed=3)
     finally:
         eng.close()
 

@@ -27,9 +27,8 @@ from engine.model.context import ForwardContext
 from engine.model.kernel_registry import KernelSetup, resolve_kernels
 from engine.model.kernel_set import REFERENCE
 from engine.model.moe import MoE, TorchMoEBackend, TritonMoEBackend
-from engine.sampling import SamplingParams
 from kernels.fp8_math import quantize_block_fp8
-from tests.same_outputs import logprob_gap
+from tests.same_outputs import greedy_outputs, logprob_gap
 
 BLOCK = (128, 128)
 
@@ -141,10 +140,7 @@ def _generate(backend: str, model="tiny", device="cpu", dtype="float32"):
         fused = eng.runner.kernel_choice.shared_experts == "fused"
         assert moes and all((m.fused_shared == 1) == fused for m in moes) and fused == (backend != "separate")
         assert eng.runner.graphs is not None or device == "cpu"
-        g = torch.Generator().manual_seed(5)
-        prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 4, 23)]
-        sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
-        return eng.generate(input_ids=prompts, sampling_params=sp)
+        return greedy_outputs(eng, (9, 4, 23), seed=5)
     finally:
         eng.close()
 
