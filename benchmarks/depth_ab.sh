@@ -7,13 +7,14 @@
 #   LAYOUTS="tp sep" bash benchmarks/depth_ab.sh         # + --shared-experts-backend separate
 #   MODEL=deepseek-v3 LAYERS=5 LAYOUTS=tp STAGES=onebatch bash benchmarks/depth_ab.sh
 #   STAGES="onebatch" TREE=.peer/before bash ...          # another checkout's engine (its one-batch only)
+#   BATCHES="1 32 128" CONCS="1 64 256" WARM=0 ...        # one-batch sizes, serving levels, no second (warm) start
 # Keeps few files under $OUT (a lent machine returns a limited number): one log and one JSONL per one-batch layout,
 # the serving sweeps' files in one archive, and prints a table last. BUDGET_S bounds the whole run (each stage gets
 # what is left).
 set -u
 OUT=${OUT:-$PWD/depth-out}; MODEL=${MODEL:-deepseek-v2}; LAYERS=${LAYERS:-full}; TP=${TP:-2}; TREE=${TREE:-.}
 EXTRA=${EXTRA:-"--quantization fp8"}; LAYOUTS=${LAYOUTS:-"tp dp"}; STAGES=${STAGES:-"onebatch serve"}
-BUDGET_S=${BUDGET_S:-570}; PORT=${PORT:-30555}
+BUDGET_S=${BUDGET_S:-570}; PORT=${PORT:-30555}; BATCHES=${BATCHES:-"1 128"}; CONCS=${CONCS:-1}; WARM=${WARM:-1}
 mkdir -p "$OUT"
 T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
@@ -34,8 +35,8 @@ if [[ " $STAGES " == *" onebatch "* ]]; then
         [ "$(left)" -gt 60 ] || { say "no time left for one-batch $lay"; break; }
         # shellcheck disable=SC2046,SC2086
         timeout "$(left)" bash -c "cd '$TREE' && exec python3 -m dsctl bench one-batch --model $MODEL --load-format dummy \
-            $layers $EXTRA $(layout_flags "$lay") --batch-size 1 128 --input-len 256 --output-len 32 \
-            --max-running-requests 128 --cuda-graph-bs 1,128 --result-file '$OUT/onebatch-$lay.jsonl'" \
+            $layers $EXTRA $(layout_flags "$lay") --batch-size $BATCHES --input-len 256 --output-len 32 \
+            --max-running-requests 128 --cuda-graph-bs ${BATCHES// /,} --result-file '$OUT/onebatch-$lay.jsonl'" \
             > "$OUT/onebatch-$lay.log" 2>&1
         say "one-batch $lay rc=$?"
         pkill -f "dsctl bench one-batch" 2>/dev/null; sleep 2
@@ -48,10 +49,10 @@ if [[ " $STAGES " == *" serve "* ]]; then
             HEALTH_WAIT_S=$(( $(left) - 10 )) timeout "$(left)" bash benchmarks/serve_sweep.sh
         say "serve $1 rc=$?"
         pkill -f "dsctl serve" 2>/dev/null; sleep 2
-        grep -hE "rank 0: weights|CUDA graphs:|piecewise CUDA" "$OUT/serve/$1-serve.log" 2>/dev/null | cut -c1-300
+        grep -hE "rank 0: weights|CUDA graphs:|piecewise CUDA|start-up:" "$OUT/serve/$1-serve.log" 2>/dev/null | cut -c1-300
     }
-    [ "$(left)" -gt 60 ] && sweep first 1  # the first start on this machine (cold Triton cache unless one was carried)
-    [ "$(left)" -gt 60 ] && sweep again ""  # warm
+    [ "$(left)" -gt 60 ] && sweep first "$CONCS"  # the first start on this machine (cold Triton cache unless carried)
+    [ "$WARM" = 1 ] && [ "$(left)" -gt 60 ] && sweep again ""  # warm
     tar czf "$OUT/serve.tgz" -C "$OUT" serve && rm -rf "$OUT/serve"
 fi
 

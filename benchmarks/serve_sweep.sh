@@ -60,8 +60,8 @@ grep -E "start-up|startup|phase|weights|KV|graph" "$OUT/$TAG-serve.log" | head -
 echo "$TAG: Triton compiles while serving: $(grep -c "compiled .* while serving" "$OUT/$TAG-serve.log")"
 grep "compiled .* while serving" "$OUT/$TAG-serve.log" | head -5
 MAXRUN=${MAXRUN:-256}  # the server's --max-running-requests (its default; per DP group)
-fp8=0; case " $EXTRA " in *" --quantization fp8 "*) fp8=1 ;; esac  # the floor then counts FP8 weights
-python3 - "$OUT/$TAG.jsonl" "$TAG" "$MODEL" "$LAYERS" "$bw" "$MAXRUN" "$LAYOUT" "$fp8" <<'PY'
+quant=none; case " $EXTRA " in *" --quantization fp8 "*) quant=fp8 ;; *" --quantization w4afp8 "*) quant=w4afp8 ;; esac
+python3 - "$OUT/$TAG.jsonl" "$TAG" "$MODEL" "$LAYERS" "$bw" "$MAXRUN" "$LAYOUT" "$quant" <<'PY'
 import json, math, os, sys
 sys.path.insert(0, ".")
 from engine.distributed.step_floor import serving_floor_ms
@@ -80,7 +80,7 @@ for r in rows:
     s = lambda k, q: (r.get(k) or {}).get(q, float('nan'))
     conc = f(r)['max_concurrency']
     ctx = f(r)['random_input_len'] + f(r)['random_output_len'] // 2
-    floor = (serving_floor_ms(model, layers, min(conc, maxrun), ctx, bw, tp, dp, fp8=sys.argv[8] == "1")
+    floor = (serving_floor_ms(model, layers, min(conc, maxrun), ctx, bw, tp, dp, quantization=sys.argv[8])
              if not math.isnan(bw) else float('nan'))
     print(f"{conc:>5} {r['completed']:>5} {r['failed']:>4} {r['output_throughput']:9.0f} "
           f"{s('ttft_ms','median'):9.1f} {s('ttft_ms','p99'):9.1f} {s('itl_ms','median'):8.2f} {s('itl_ms','p99'):8.2f} "

@@ -277,6 +277,13 @@ class KernelArgs:
         "NCCL for large ones; falls back to 'torch' where P2P or 2/4/6/8 GPUs on one node are missing).",
         choices=("auto", "torch", "custom"),
     )
+    pdl: str = flag(
+        "auto", "Programmatic dependent launch of the decode step's Triton kernels: each may start while the "
+        "kernel before it finishes, its programs waiting for that kernel's results before touching memory, which "
+        "hides launch latency between the small kernels of a small batch. 'auto': on for CUDA GPUs of compute "
+        "capability 9.0+ (Hopper) with a Triton that has it; 'on' refuses to start where it cannot run.",
+        choices=("auto", "on", "off"),
+    )
     disable_cuda_graph: bool = flag(False, "Run decode eagerly instead of replaying CUDA graphs.")
     cuda_graph_max_bs: Optional[int] = flag(
         None, "Largest decode batch captured in a CUDA graph (default: --max-running-requests, so that every "

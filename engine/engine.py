@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
@@ -70,7 +71,13 @@ class Engine:
         self.args = args.validate()
         torch.manual_seed(args.model.seed)
         draft = DraftRunner if args.speculative.enabled else None
-        self.runner = ModelRunner(args, parallel=self._join_world(local_rank), draft=draft)
+        clock = time.perf_counter()
+        parallel = self._join_world(local_rank)
+        self.startup = {"joining the world": time.perf_counter() - clock}  # seconds per phase, for the logs
+        clock = time.perf_counter()
+        self.runner = ModelRunner(args, parallel=parallel, draft=draft)
+        self.startup["runner"] = time.perf_counter() - clock
+        clock = time.perf_counter()
         self.tokenizer = load_tokenizer(self.runner.resolved.tokenizer_path)
         eos = self.tokenizer.eos_ids() if self.tokenizer else set()
         if not eos and self.runner.config.eos_token_id is not None:
@@ -78,6 +85,7 @@ class Engine:
         self.eos_ids = eos
         self.grammars: Optional[GrammarCompiler] = None  # made for the first grammar request
         self.scheduler = self.make_scheduler()
+        self.startup["tokenizer and scheduler"] = time.perf_counter() - clock
         self._ids = itertools.count()
 
     def _join_world(self, local_rank: Optional[int]):

@@ -33,6 +33,7 @@ from kernels.fp8_math import (
     quantize_groups,
 )
 from kernels.interpret import interpreting
+from kernels.pdl import launch_options, pdl_enter
 from kernels.split_k import arrive, k_range, plan, sum_slots, tile_slots
 from kernels.tile_order import grouped_tile
 from kernels.tuned_configs import get_fp8_gemm_config
@@ -126,7 +127,9 @@ def quant_tile(x, EXACT_ROUND: tl.constexpr):
 
 @triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg, eps,
-                        GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, EXACT_ROUND: tl.constexpr):
+                        GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, EXACT_ROUND: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     quant_groups(x_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1), K, stride_xm, stride_qm, stride_sm,
                  stride_sg, eps, GROUP, GROUPS_PER_PROG, EXACT_ROUND)
 
@@ -154,12 +157,13 @@ def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, count_pt
                            GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, QUANT_A: tl.constexpr,
                            BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
                            BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                           EXACT_ROUND: tl.constexpr):
+                           EXACT_ROUND: tl.constexpr, PDL: tl.constexpr = False):
     """C = A @ B.T. A is e4m3 with 1 x GROUP_K scales (as_ptr), or, with QUANT_A, bf16/fp32
     quantised here tile by tile (BLOCK_SIZE_K == GROUP_K). B [N, K] e4m3, GROUP_N x GROUP_K scales.
 
     With SPLIT_K > 1, program (tile, s) sums the s-th of SPLIT_K runs of K blocks into its float32 slot
     of ws, and the last of the tile's programs to arrive stores C (kernels/split_k.py)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
@@ -216,8 +220,10 @@ def _fp8_bmm_kernel(a_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
                     stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
                     stride_sb, stride_sk, stride_sn, stride_cb, stride_cm, stride_cn,
                     SCALE_BK: tl.constexpr, SCALE_BN: tl.constexpr, EXACT_ROUND: tl.constexpr,
-                    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr):
+                    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """C[h] = quant(A[h]) @ B[h]; A quantised here, 1 x BLOCK_SIZE_K groups (BLOCK_SIZE_K = 128)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
@@ -277,7 +283,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP_SIZE, col
         gpp = groups_per_program(g, group_size)
         _group_quant_kernel[(m, cdiv(g, gpp))](
             x2, q, s, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), eps,
-            GROUP=group_size, GROUPS_PER_PROG=gpp, EXACT_ROUND=interpreting(), num_warps=4)
+            GROUP=group_size, GROUPS_PER_PROG=gpp, EXACT_ROUND=interpreting(), num_warps=4, **launch_options())
     return q.view(*lead, k), (s if column_major_scales else s.view(*lead, g))
 
 
@@ -430,7 +436,8 @@ def _block_gemm(a, a_s, b_fp8, b_scale, block, out_dtype, cfg, out):
         b_fp8.stride(0), b_fp8.stride(1), b_scale.stride(0), b_scale.stride(1), out.stride(0), out.stride(1),
         GROUP_N=bn, GROUP_K=bk, QUANT_A=quant_a, BLOCK_SIZE_M=block_m,
         BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k, GROUP_SIZE_M=cfg.get("GROUP_SIZE_M", 1), SPLIT_K=split,
-        EXACT_ROUND=interpreting(), num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+        EXACT_ROUND=interpreting(), num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        **launch_options())
     return out
 
 
@@ -468,5 +475,5 @@ def fp8_bmm(a: torch.Tensor, b_fp8: torch.Tensor, b_scale: torch.Tensor, block: 
         a.stride(0), a.stride(1), a.stride(2), b_fp8.stride(0), b_fp8.stride(1), b_fp8.stride(2),
         s.stride(0), s.stride(1), s.stride(2), out.stride(0), out.stride(1), out.stride(2),
         SCALE_BK=scale_bk, SCALE_BN=scale_bn, EXACT_ROUND=interpreting(),
-        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block[0], num_warps=4, num_stages=3)
+        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block[0], num_warps=4, num_stages=3, **launch_options())
     return out

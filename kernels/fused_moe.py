@@ -41,6 +41,7 @@ from kernels.moe_common import (
     split_config,
     tile_rows,
 )
+from kernels.pdl import pdl_enter
 from kernels.split_k import arrive, k_range, plan, sum_slots, tile_slots
 from kernels.tile_order import grouped_tile
 from kernels.tuned_configs import get_moe_config, moe_dtype_name
@@ -106,7 +107,7 @@ def _moe_gemm_kernel(
         QUANT_A: tl.constexpr, INTERPRET: tl.constexpr,
         GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
         BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-        GROUP_SIZE_M: tl.constexpr, SPLIT_K: tl.constexpr):
+        GROUP_SIZE_M: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = False):
     """One [BLOCK_M rows of one expert] x [BLOCK_N output columns] tile.
 
     Row r of the block is assignment sorted_ids[r] (flat t * top_k + slot); it reads
@@ -116,6 +117,7 @@ def _moe_gemm_kernel(
     SPLIT_K > 1: program (tile, s) sums the s-th of SPLIT_K runs of K blocks (gate and up in two slots of
     ws), and the last of the tile's programs to arrive adds them and runs the epilogue (kernels/split_k.py).
     """
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)

@@ -47,6 +47,7 @@ from kernels.moe_common import (
     split_config,
     tile_rows,
 )
+from kernels.pdl import pdl_enter
 from kernels.tile_order import grouped_tile
 from kernels.tuned_configs import get_moe_config
 
@@ -186,12 +187,13 @@ def _w4a8_gemm_kernel(
         A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, INTERPRET: tl.constexpr,
         GROUP_K: tl.constexpr, FP8_DOT: tl.constexpr, ASM: tl.constexpr,
         BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-        GROUP_SIZE_M: tl.constexpr):
+        GROUP_SIZE_M: tl.constexpr, PDL: tl.constexpr = False):
     """One [BLOCK_M rows of one expert] x [BLOCK_N output columns] tile (rows as in kernels/fused_moe.py).
 
     A is e4m3 [rows, K] with scales [rows, K / GROUP_K]; B is packed int4 [E, N_total, K / 2] with
     scales [E, N_total, K / GROUP_K]. BLOCK_SIZE_K divides GROUP_K (one scale pair per K step), which
     divides K (no K masks)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M)

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels.interpret import interpreting
+from kernels.pdl import launch_options, pdl_enter
 
 _LOG2E = 1.4426950408889634
 
@@ -158,7 +159,8 @@ def _mla_decode_stage1(
     BLOCK_LKV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SCALE_PTR: tl.constexpr, KV_LOAD: tl.constexpr, DIRECT_OUT: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
-):
+ PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     req = tl.program_id(0)
     hblk = tl.program_id(1)
     split = tl.program_id(2)
@@ -273,7 +275,8 @@ def _mla_decode_stage2(
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
     stride_o_b, stride_o_h,
     Q_PER_REQ: tl.constexpr, LKV: tl.constexpr, BLOCK_LKV: tl.constexpr, BLOCK_N: tl.constexpr,
-):
+ PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     qrow = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     req = qrow // Q_PER_REQ
@@ -439,7 +442,7 @@ def mla_decode(q_nope_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torc
         SCALE_PTR=scale_ptr, KV_LOAD=KV_LOADS[kv_load], DIRECT_OUT=direct,
         COMPUTE_DTYPE=_compute_dtype(kv.dtype, cfg.fp16_math), INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+     **launch_options())
     if not direct:
         _mla_decode_stage2[(rows, num_heads)](
             mid_o, mid_lse, out, seq_lens, max_splits, min_split,
@@ -447,7 +450,7 @@ def mla_decode(q_nope_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torc
             out.stride(0), out.stride(1),
             Q_PER_REQ=q_per_req, LKV=lkv, BLOCK_LKV=block_lkv, BLOCK_N=cfg.block_n,
             num_warps=4 if block_lkv >= 256 else 1,
-        )
+         **launch_options())
     return out
 
 

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from kernels.interpret import interpreting
 from kernels.mla_decode import dot_operand
+from kernels.pdl import launch_options, pdl_enter
 
 _LOG2E = 1.4426950408889634
 
@@ -99,7 +100,9 @@ def _extend_fwd(
     D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr, HAS_D2: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, MASK_DIAG_ONLY: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     mblk = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (most causal work) blocks first
     head = tl.program_id(1)
     req = tl.program_id(2)
@@ -205,7 +208,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prefix
         D1=d1, D2=d2, BLOCK_D2=max(16, triton.next_power_of_2(max(d2, 1))), HAS_D2=d2 > 0,
         DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         COMPUTE_DTYPE=compute, INTERPRET=interpreting(), MASK_DIAG_ONLY=cfg.mask_diag_only,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(),
     )
     return out
 

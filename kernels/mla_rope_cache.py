@@ -38,6 +38,7 @@ import triton.language as tl
 from kernels.fp8 import round_to_e4m3_grid
 from kernels.fp8_math import FP8_DTYPE
 from kernels.interpret import interpreting
+from kernels.pdl import launch_options, pdl_enter
 from kernels.rms_norm import SUPPORTED_DTYPES, normed_tile, out_dtype, rms_norm_ref, round_to
 from kernels.rms_norm import launch_meta as rms_norm_launch_meta  # the RMSNorm kernel's tile: its sums
 
@@ -124,7 +125,9 @@ def _mla_rope_cache_kernel(Q, L, W, COS, SIN, POS, CACHE, SLOTS, QPE, CKV, KPE,
                            eps, kv_scale,
                            KV_LORA: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr,
                            BLOCK: tl.constexpr, PAIRS: tl.constexpr, ROWS: tl.constexpr, HEADS: tl.constexpr,
-                           WRITE_CACHE: tl.constexpr, CACHE_FP8: tl.constexpr, EXACT_ROUND: tl.constexpr):
+                           WRITE_CACHE: tl.constexpr, CACHE_FP8: tl.constexpr, EXACT_ROUND: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     if tl.program_id(1) == 0:
         _latent_rows(L, W, COS, SIN, POS, CACHE, SLOTS, CKV, KPE, n_rows, stride_l, stride_c, stride_ckv, stride_kpe,
                      eps, kv_scale, KV_LORA, HALF, BLOCK, PAIRS, ROWS, WRITE_CACHE, CACHE_FP8, EXACT_ROUND)
@@ -180,7 +183,7 @@ def mla_rope_cache(q: torch.Tensor, latent: torch.Tensor, norm_weight: torch.Ten
         c_kv.stride(0), k_pe.stride(0), float(eps), float(kv_scale),
         KV_LORA=kv_lora_rank, NOPE=qk - rope, HALF=rope // 2, BLOCK=block, PAIRS=pairs, ROWS=rows,
         HEADS=head_block, WRITE_CACHE=write, CACHE_FP8=write and cache.dtype.itemsize == 1,
-        EXACT_ROUND=interpreting(), num_warps=num_warps, enable_fp_fusion=False)
+        EXACT_ROUND=interpreting(), num_warps=num_warps, enable_fp_fusion=False, **launch_options())
     return q_pe, c_kv, k_pe
 
 

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enter
+
 SMALL_CHUNKS = 8  # up to this many chunks, one program does all passes (one launch)
 
 
@@ -101,7 +103,9 @@ def _layout_blocks(counts, sorted_ids_ptr, expert_ids_ptr, npp_ptr, E, numel, n_
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, hist_ptr, numel, E, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+def _align_count_kernel(ids_ptr, hist_ptr, numel, E, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     chunk = tl.program_id(0)
     _, _, hot = _onehot(ids_ptr, chunk, numel, E, CHUNK, BLOCK_E)
     e = tl.arange(0, BLOCK_E)
@@ -111,8 +115,9 @@ def _align_count_kernel(ids_ptr, hist_ptr, numel, E, CHUNK: tl.constexpr, BLOCK_
 @triton.jit
 def _align_scan_kernel(hist_ptr, sorted_ids_ptr, expert_ids_ptr, npp_ptr, n_chunks, E, numel, n_blocks,
                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
-                       FILL: tl.constexpr, SCAN: tl.constexpr):
+                       FILL: tl.constexpr, SCAN: tl.constexpr, PDL: tl.constexpr = False):
     """hist [n_chunks, E] -> base row of each (chunk, expert), SCAN chunks per step."""
+    pdl_enter(PDL)
     e = tl.arange(0, BLOCK_E)
     e_mask = (e < E)[None, :]
     running = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -133,7 +138,9 @@ def _align_scan_kernel(hist_ptr, sorted_ids_ptr, expert_ids_ptr, npp_ptr, n_chun
 
 
 @triton.jit
-def _align_scatter_kernel(ids_ptr, base_ptr, sorted_ids_ptr, numel, E, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+def _align_scatter_kernel(ids_ptr, base_ptr, sorted_ids_ptr, numel, E, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     chunk = tl.program_id(0)
     idx, ids, hot = _onehot(ids_ptr, chunk, numel, E, CHUNK, BLOCK_E)
     rank = tl.sum(hot * tl.cumsum(hot, axis=0), axis=1) - 1  # earlier same-expert entries in this chunk
@@ -164,7 +171,8 @@ def align_small(ids_ptr, sorted_ids_ptr, expert_ids_ptr, npp_ptr, n_chunks, E, n
 @triton.jit
 def _align_small_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, npp_ptr, n_chunks, E, numel, n_blocks,
                         CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_B: tl.constexpr, FILL: tl.constexpr):
+                        BLOCK_B: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     align_small(ids_ptr, sorted_ids_ptr, expert_ids_ptr, npp_ptr, n_chunks, E, numel, n_blocks,
                 CHUNK, BLOCK_M, BLOCK_E, BLOCK_B, FILL)
 
@@ -215,14 +223,14 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
     al = plan.empty(topk_ids.device)
     args = (al.sorted_ids, al.expert_ids, al.num_post_pad, plan.n_chunks, num_experts, plan.numel, plan.n_blocks)
     if plan.small:
-        _align_small_kernel[(1,)](flat, *args, **plan.meta(), num_warps=4)
+        _align_small_kernel[(1,)](flat, *args, **plan.meta(), num_warps=4, **launch_options())
         return al
     hist = torch.empty((plan.n_chunks, num_experts), dtype=torch.int32, device=flat.device)
     _align_count_kernel[(plan.n_chunks,)](flat, hist, plan.numel, num_experts, CHUNK=plan.chunk,
-                                          BLOCK_E=plan.block_e, num_warps=4)
+                                          BLOCK_E=plan.block_e, num_warps=4, **launch_options())
     meta = plan.meta()
     meta.pop("CHUNK")
-    _align_scan_kernel[(1,)](hist, *args, **meta, SCAN=max(1, 8192 // plan.block_e), num_warps=8)
+    _align_scan_kernel[(1,)](hist, *args, **meta, SCAN=max(1, 8192 // plan.block_e), num_warps=8, **launch_options())
     _align_scatter_kernel[(plan.n_chunks,)](flat, hist, al.sorted_ids, plan.numel, num_experts, CHUNK=plan.chunk,
-                                            BLOCK_E=plan.block_e, num_warps=4)
+                                            BLOCK_E=plan.block_e, num_warps=4, **launch_options())
     return al

@@ -21,6 +21,7 @@ from kernels.fp8 import groups_per_program, per_token_group_quant_fp8, quant_gro
 from kernels.fp8_math import FP8_DTYPE
 from kernels.interpret import interpreting
 from kernels.moe_align import MoEAlignment, align_plan, align_small, moe_align_block_size
+from kernels.pdl import launch_options, pdl_enter
 
 # --------------------------------------------------------------------------- GEMM tile pieces
 
@@ -71,7 +72,7 @@ def launch_gemm(kernel, a, a_s, b, b_s, c, topk_w, al: MoEAlignment, *, n_out, k
         c.stride(0), c.stride(1),
         A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, INTERPRET=interpreting(),
         BLOCK_SIZE_M=al.block_m, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=block_k, GROUP_SIZE_M=cfg.get("GROUP_SIZE_M", 1),
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **meta)
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **meta, **launch_options())
 
 
 # --------------------------------------------------------------------------- around the GEMMs
@@ -138,9 +139,10 @@ def _moe_prologue_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, npp_ptr, n_chu
                          x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, n_gblk,
                          CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
                          FILL: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-                         EXACT_ROUND: tl.constexpr):
+                         EXACT_ROUND: tl.constexpr, PDL: tl.constexpr = False):
     """One launch for two independent jobs: program 0 aligns the routing (small inputs), the
     others quantise x in 1 x GROUP groups for the gate_up GEMM."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid == 0:
         align_small(ids_ptr, sorted_ids_ptr, expert_ids_ptr, npp_ptr, n_chunks, E, numel, n_blocks,
@@ -168,14 +170,15 @@ def align_and_quant(x: torch.Tensor, ids: torch.Tensor, num_experts: int, block_
     _moe_prologue_kernel[(1 + t * n_gblk,)](
         ids, al.sorted_ids, al.expert_ids, al.num_post_pad, plan.n_chunks, plan.num_experts, plan.numel,
         plan.n_blocks, x, xq, xs, k, x.stride(0), xq.stride(0), xs.stride(0), n_gblk,
-        **plan.meta(), GROUP=group, GROUPS_PER_PROG=gpp, EXACT_ROUND=interpreting(), num_warps=4)
+        **plan.meta(), GROUP=group, GROUPS_PER_PROG=gpp, EXACT_ROUND=interpreting(), num_warps=4, **launch_options())
     return al, xq, xs
 
 
 @triton.jit
 def _moe_sum_kernel(y_ptr, ids_ptr, out_ptr, K, E, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-                    EXACT_ROUND: tl.constexpr):
+                    EXACT_ROUND: tl.constexpr, PDL: tl.constexpr = False):
     """out[t] = sum over slots s with a valid expert id of y[t * TOP_K + s]."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < K
@@ -193,7 +196,8 @@ def moe_sum(y: torch.Tensor, inputs: MoEInputs, num_experts: int) -> torch.Tenso
     t, k = out.shape
     block = min(1024, triton.next_power_of_2(k))
     _moe_sum_kernel[(t, triton.cdiv(k, block))](y, inputs.ids, out, k, num_experts, TOP_K=inputs.top_k,
-                                                  BLOCK=block, EXACT_ROUND=interpreting(), num_warps=4)
+                                                  BLOCK=block, EXACT_ROUND=interpreting(), num_warps=4,
+                                                  **launch_options())
     return out
 
 

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enter
+
 METHODS = {"noaux_tc": 0, "group_limited_greedy": 1, "greedy": 2}
 
 
@@ -84,7 +86,8 @@ def _moe_gate_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_lt, scal
                      GROUP_SIZE: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
                      HAS_BIAS: tl.constexpr, NORM: tl.constexpr, N_SHARED: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     r_mask = rows < T
     rows_c = tl.minimum(rows, T - 1).to(tl.int64)
@@ -178,5 +181,5 @@ def moe_gate(x: torch.Tensor, gate_weight: Optional[torch.Tensor] = None, *, top
         METHOD=METHODS[method], SIGMOID=_scoring(method, scoring_func) == "sigmoid",
         HAS_BIAS=correction_bias is not None and method == "noaux_tc", NORM=norm_topk_prob and top_k > 1,
         N_SHARED=n_shared, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(n_group),
-        BLOCK_K=triton.next_power_of_2(top_k + n_shared), num_warps=4)
+        BLOCK_K=triton.next_power_of_2(top_k + n_shared), num_warps=4, **launch_options())
     return weights, ids

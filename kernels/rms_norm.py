@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.interpret import interpreting
+from kernels.pdl import launch_options, pdl_enter
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HIDDEN = 16384  # one tile holds the whole row
@@ -67,7 +68,9 @@ def normed_tile(X, W, rows, cols, n_rows, hidden, stride_x, eps, OUT_DTYPE: tl.c
 
 @triton.jit(do_not_specialize=["n_rows"])  # one compile for every batch size
 def _rms_norm_kernel(X, R, S, W, Out, n_rows, hidden, stride_x, stride_r, stride_s, stride_o, eps,
-                     BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT_ROUND: tl.constexpr):
+                     BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT_ROUND: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     out, mask = normed_tile(X, W, rows, cols, n_rows, hidden, stride_x, eps, Out.dtype.element_ty, EXACT_ROUND,
@@ -154,7 +157,7 @@ def _launch(x2, residual, summed, weight, out, eps) -> None:
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x2, residual if add else x2, summed if add else x2, w, out, n_rows, hidden, x2.stride(0),
         residual.stride(0) if add else 0, summed.stride(0) if add else 0, out.stride(0), float(eps),
-        BLOCK=block, ROWS=rows, HAS_RESIDUAL=add, EXACT_ROUND=interpreting(), num_warps=num_warps)
+        BLOCK=block, ROWS=rows, HAS_RESIDUAL=add, EXACT_ROUND=interpreting(), num_warps=num_warps, **launch_options())
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -39,6 +39,7 @@ import triton.language as tl
 from kernels.fp8 import round_to_e4m3_grid
 from kernels.fp8_math import ACT_EPS, FP8_DTYPE, GROUP_SIZE, cdiv, quantize_groups
 from kernels.interpret import interpreting
+from kernels.pdl import launch_options, pdl_enter
 from kernels.rms_norm import MAX_HIDDEN, SUPPORTED_DTYPES, normed_tile, out_dtype, residual_supported, rms_norm_ref
 from kernels.rms_norm import launch_meta as rms_norm_launch_meta  # the same tile: the same sums (see above)
 
@@ -48,7 +49,9 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat1
 @triton.jit(do_not_specialize=["n_rows"])  # one compile for every batch size
 def _rms_norm_quant_kernel(X, R, SUM, W, Q, S, n_rows, hidden, stride_x, stride_r, stride_sum, stride_q, stride_sm,
                            stride_sg, eps, act_eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
-                           NORM_DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT_ROUND: tl.constexpr):
+                           NORM_DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT_ROUND: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     # kernels/rms_norm.py's tile: the values its kernel would store (kept in float32 registers)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -119,7 +122,7 @@ def _launch(x2, residual, summed, weight, eps, group, act_eps) -> tuple[torch.Te
         residual.stride(0) if add else 0, summed.stride(0) if add else 0, q.stride(0), s.stride(0), s.stride(1),
         float(eps), float(act_eps), BLOCK=block, ROWS=rows, GROUP=min(group, block),
         NORM_DTYPE=_TL_DTYPE[out_dtype(x2, weight)], HAS_RESIDUAL=add, EXACT_ROUND=interpreting(),
-        num_warps=num_warps)
+        num_warps=num_warps, **launch_options())
     return q, s
 
 

@@ -26,6 +26,7 @@ from triton.language.extra import libdevice
 from kernels.fp8 import round_to_e4m3_grid
 from kernels.fp8_math import ACT_EPS, FP8_DTYPE, GROUP_SIZE, cdiv, quantize_groups
 from kernels.interpret import interpreting
+from kernels.pdl import launch_options, pdl_enter
 from kernels.rms_norm import round_to
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -34,7 +35,9 @@ GROUPS_PER_PROGRAM = 4
 
 @triton.jit(do_not_specialize=["n_rows"])  # one compile for every batch size
 def _silu_mul_quant_kernel(X, Q, S, n_rows, inter, stride_x, stride_q, stride_sm, stride_sg, act_eps,
-                           GROUP: tl.constexpr, GROUPS: tl.constexpr, EXACT_ROUND: tl.constexpr):
+                           GROUP: tl.constexpr, GROUPS: tl.constexpr, EXACT_ROUND: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]
@@ -75,7 +78,7 @@ def silu_mul_quant(gate_up: torch.Tensor, group: int = GROUP_SIZE,
     per = min(GROUPS_PER_PROGRAM, triton.next_power_of_2(groups))
     _silu_mul_quant_kernel[(m, triton.cdiv(groups, per))](
         gate_up, q, s, m, inter, gate_up.stride(0), q.stride(0), s.stride(0), s.stride(1), float(act_eps),
-        GROUP=group, GROUPS=per, EXACT_ROUND=interpreting(), num_warps=4)
+        GROUP=group, GROUPS=per, EXACT_ROUND=interpreting(), num_warps=4, **launch_options())
     return q, s
 
 

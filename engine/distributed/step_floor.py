@@ -75,12 +75,14 @@ def step_floor_s(cfg: ModelConfig, n_layers: int, bs: int, ctx: int, kv_bytes: i
 
 
 def serving_floor_ms(model: str, n_layers: int, bs: int, ctx: int, bw: float, tp: int = 1, dp: int = 1,
-                     fp8: bool = False) -> float:
+                     quantization: str = "none") -> float:
     """The bytes floor of one decode step of a served registry model (dummy weights: FP8 where the
-    checkpoint is block-FP8 or `fp8` (--quantization fp8), else bf16; bf16 KV) at batch bs and context ctx, in ms,
-    per GPU of the layout."""
+    checkpoint is block-FP8 or under --quantization fp8 / w4afp8, INT4 routed experts under w4afp8, else bf16;
+    bf16 KV) at batch bs and context ctx, in ms, per GPU of the layout."""
     cfg = parse_config(lookup(model).config_dict())
-    weight_bytes = 1 if cfg.fp8 or fp8 else 2
+    if quantization == "w4afp8" and cfg.n_routed_experts and not cfg.experts_int4_group:
+        cfg = cfg.with_int4_experts()
+    weight_bytes = 1 if cfg.fp8 or quantization in ("fp8", "w4afp8") else 2
     return step_floor_s(cfg, n_layers or cfg.num_hidden_layers, bs, ctx, 2, bw, weight_bytes, tp, dp) * 1e3
 
 

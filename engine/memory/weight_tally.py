@@ -84,11 +84,16 @@ class Tally:
 
     def moe(self, cfg: ModelConfig, experts: float) -> None:
         """An MoE layer: router, `experts` routed experts (all of them, or the expected number a decode step
-        touches) stored like the linear layers, and the shared experts."""
+        touches) stored like the linear layers (INT4 under `cfg.experts_int4_group`), and the shared experts."""
         h, n = cfg.hidden_size, cfg.moe_intermediate_size
         self.router(cfg)
-        self.linear(2 * n, h, SPLIT, count=experts)  # w13
-        self.linear(h, n, SPLIT, count=experts)  # w2
+        if cfg.experts_int4_group:  # W4AFP8: two INT4 weights a byte, a float32 scale per group along K
+            g = cfg.experts_int4_group
+            self.add(experts * (2 * n * h / 2 + 2 * n * math.ceil(h / g) * 4 + h * n / 2 + h * math.ceil(n / g) * 4),
+                     SPLIT)
+        else:
+            self.linear(2 * n, h, SPLIT, count=experts)  # w13
+            self.linear(h, n, SPLIT, count=experts)  # w2
         self.shared_experts(cfg)
 
     def decoder_layer(self, cfg: ModelConfig, moe: bool, experts: Optional[float] = None) -> None:

@@ -59,7 +59,7 @@ from engine.runner.triton_precompile import (
 )
 from engine.weights.loader import iter_params
 from engine.weights.w4afp8 import with_int4_experts
-from kernels import tuned_configs
+from kernels import pdl, tuned_configs
 from kernels.fp8_math import WEIGHT_BLOCK
 from kernels.interpret import interpreting
 
@@ -193,8 +193,21 @@ class ModelRunner:
         """Each op's kernel (engine/model/kernel_registry.py: 'auto' resolved) after its start-up check, which
         rejects what cannot run here; logged once per rank."""
         choice = resolve_kernels(self.args.kernels.requested_kernels(), self.setup)
-        log.info("rank %d kernels: %s", self.parallel.world_rank, describe(choice, self.setup))
+        pdl.set_enabled(self._use_pdl())
+        log.info("rank %d kernels: %s, pdl %s", self.parallel.world_rank, describe(choice, self.setup),
+                 "on" if pdl.enabled() else "off")
         return choice
+
+    def _use_pdl(self) -> bool:
+        """--pdl: 'auto' is on where programmatic dependent launch can run (kernels/pdl.py), 'on' refuses to
+        start elsewhere."""
+        asked = self.args.kernels.pdl
+        if asked == "off":
+            return False
+        why = "the Triton interpreter runs the kernels" if self.setup.interpret else pdl.supported(self.device)
+        if why and asked == "on":
+            raise UsageError(f"--pdl on: {why}; use --pdl auto (on where it can run) or off")
+        return not why
 
     def _kv_dtype(self) -> torch.dtype:
         """The KV cache dtype (--kv-cache-dtype; FP8 caches need CUDA)."""

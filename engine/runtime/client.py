@@ -78,13 +78,26 @@ class EngineClient:
         self._stopping = False
 
     # ---- lifecycle -----------------------------------------------------------
+    def launch(self) -> None:
+        """Spawn the engine ranks now (idempotent): the serving process calls this before it loads the tokenizer
+        and starts the HTTP server, so the ranks start up meanwhile; their messages wait in the pipe for
+        `start`."""
+        if self._ranks is None:
+            self._ranks = EngineRanks.start_engine(self.args, self._rank_main)
+            log.info("engine started: %d rank process(es), pids %s", len(self._ranks.pids), self._ranks.pids)
+
+    def stop_launched(self) -> None:
+        """Stop ranks that `launch` spawned when the server never started (`start` was not called)."""
+        if self._ranks is not None and self._loop is None:
+            self._ranks.stop(grace=1.0)
+
     def start(self) -> None:
+        """On the server's event loop: launch the ranks (unless `launch` did) and start the pipe threads."""
         self._loop = asyncio.get_running_loop()
         self.ready = asyncio.Event()
-        self._ranks = EngineRanks.start_engine(self.args, self._rank_main)
+        self.launch()
         threading.Thread(target=self._send_loop, name="engine-sender", daemon=True).start()
         threading.Thread(target=self._recv_loop, name="engine-reader", daemon=True).start()
-        log.info("engine started: %d rank process(es), pids %s", len(self._ranks.pids), self._ranks.pids)
 
     @property
     def pid(self) -> Optional[int]:

@@ -35,6 +35,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Optional
@@ -45,6 +46,7 @@ from engine.engine import Engine
 from engine.errors import DsctlError
 from engine.runtime import protocol
 from engine.runtime.dp_controller import DPController, waiting_tokens
+from engine.runtime.process_clock import process_age_s
 from engine.sampling import SamplingParams
 
 log = logging.getLogger("dsctl.engine")
@@ -222,6 +224,13 @@ def _warm_up(engine) -> None:
                         sampling_params=SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
 
 
+def _log_startup(rank: int, entered_after: Optional[float], phases: dict) -> None:
+    """One line per rank: where its start-up went before serving (the runner's own phases are logged above)."""
+    parts = ([f"Python and imports {entered_after:.1f} s"] if entered_after is not None else []) + \
+        [f"{name} {secs:.1f} s" for name, secs in phases.items()]
+    log.info("rank %d start-up: %s", rank, ", ".join(parts))
+
+
 def _dp_pools(runner) -> tuple[int, ...]:
     """DP attention: every DP group's KV pool size (a collective; logged by rank 0); () without DP."""
     tp = runner.parallel.tp
@@ -255,9 +264,12 @@ def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], 
     logging.basicConfig(level=args.server.log_level.upper(),
                         format=f"%(asctime)s engine{'' if pc.world_size == 1 else f' rank {rank}'} %(levelname)s "
                                "%(message)s")
+    entered_after = process_age_s()
     try:
         engine = (make_engine or Engine)(args, local_rank=local_rank)
+        warm_up_start = time.perf_counter()
         _warm_up(engine)
+        _log_startup(rank, entered_after, {**engine.startup, "warm-up generations": time.perf_counter() - warm_up_start})
     except BaseException as exc:  # noqa: BLE001 - report any startup failure to the server
         msg = str(exc) if isinstance(exc, DsctlError) else traceback.format_exc()
         if outbox is None:

@@ -39,6 +39,14 @@ def failure_reason(root: Optional[RankFailure], rank0_report: Optional[str]) -> 
     return rank0_report or "the engine's rank 0 exited"
 
 
+def _engine_main(*args) -> None:
+    """rank_loop.engine_main, imported in the rank: the serving process that spawns the ranks builds no model
+    and starts seconds sooner without the whole engine's imports (model, torch.compile, Triton)."""
+    from engine.runtime.rank_loop import engine_main  # lazy: the whole engine, imported in the rank only
+
+    engine_main(*args)
+
+
 class EngineRanks:
     """This node's ranks, each running target(local_rank, *target_args, inbox, outbox); world rank 0 reads
     `inbox` and writes `outbox`, the others close theirs."""
@@ -64,12 +72,8 @@ class EngineRanks:
     @classmethod
     def start_engine(cls, args: EngineArgs, rank_main: Optional[Callable[..., Any]] = None) -> "EngineRanks":
         """This node's engine ranks (`rank_main`, default `engine_main`); one node alone gets a local rendezvous."""
-        # The serving process that starts the ranks builds no model: it starts seconds sooner without this.
-        # lazy: the rank loop imports the whole engine (model, torch.compile, Triton)
-        from engine.runtime.rank_loop import engine_main
-
         config = with_local_init_addr(args.parallel.config())
-        return cls.start(rank_main or engine_main, config, args.replace(dist_init_addr=config.dist_init_addr))
+        return cls.start(rank_main or _engine_main, config, args.replace(dist_init_addr=config.dist_init_addr))
 
     # ---- state -----------------------------------------------------------------
     @property

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 
 import uvicorn
 
 from engine.args import EngineArgs
 from engine.checkpoint.tokenizer import load_tokenizer
 from engine.errors import DsctlError, UsageError
+from engine.runtime.client import EngineClient
 from engine.runtime.launch_checks import check_launch, launch_args
 from engine.runtime.node_ranks import serve_ranks_only
+from engine.runtime.process_clock import process_age_s
 from engine.server.app import build_app
 
 log = logging.getLogger("dsctl.server")
@@ -94,6 +97,12 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _log_startup(launched_after, after_launch: float) -> None:
+    before = "" if launched_after is None else f"engine ranks launched {launched_after:.1f} s after the process " \
+        "started (Python, imports, checks), then "
+    log.info("server start-up: %s%.1f s for the tokenizer and the app while the ranks start", before, after_launch)
+
+
 def serve(args: EngineArgs) -> None:
     args.validate()
     http = args.server
@@ -104,16 +113,29 @@ def serve(args: EngineArgs) -> None:
     if args.parallel.node_rank > 0:
         serve_ranks_only(args)
         return
-    tokenizer = load_tokenizer(resolved.tokenizer_path)
-    app = build_app(args, tokenizer)
+    launched_after = process_age_s()
+    sock = _bind(http.host, http.port)  # before the engine starts, so a busy port fails fast
+    client = EngineClient(args)
+    launching = time.perf_counter()
+    client.launch()  # the ranks start up while this process loads the tokenizer and starts the HTTP server
+    try:
+        tokenizer = load_tokenizer(resolved.tokenizer_path)
+        app = build_app(args, tokenizer, client)
+    except BaseException:
+        client.stop_launched()
+        sock.close()
+        raise
+    _log_startup(launched_after, time.perf_counter() - launching)
     config = uvicorn.Config(app, host=http.host, port=http.port, log_level=http.log_level,
                             timeout_graceful_shutdown=http.graceful_shutdown_timeout + ABORT_GRACE_S,
                             access_log=http.log_level == "debug")
-    sock = _bind(http.host, http.port)  # before the engine starts, so a busy port fails fast
     state = app.state.server
     server = _uvicorn_server(config, _Shutdown(state, http.graceful_shutdown_timeout))
     state.request_exit = lambda: setattr(server, "should_exit", True)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        client.stop_launched()  # uvicorn never reached the app's lifespan (which owns the ranks from then on)
     if state.exit_code:
         reason = state.client.dead_reason or "the engine process failed"
         raise (EngineStartError if state.client.info is None else EngineDied)(reason)

@@ -64,3 +64,18 @@ def test_fp8_linears_count_one_byte_plus_a_scale_per_block(cfg):
 def test_an_other_kv_row_replaces_the_latent(cfg):
     # --disable-mla caches each local head's k and v: the runner passes its KV row
     assert layer_bytes(cfg, 0, 2, 10, 2, 2, kv_dim=4 * 96)["kv"] == 2 * 10 * 4 * 96 * 2
+
+
+def test_int4_experts_count_half_a_byte_plus_a_scale_per_group(cfg):
+    # W4AFP8 (cfg.experts_int4_group): a routed expert's w13 [256, H] and w2 [H, 128] at 4 bits, a float32
+    # scale per 32 weights along K; the shared expert stays block-FP8 like the other linears
+    from dataclasses import replace
+
+    def fp8(out_f, in_f):
+        return out_f * in_f + -(-out_f // 128) * -(-in_f // 128) * 4
+
+    int4_expert = 256 * H / 2 + 256 * (H // 32) * 4 + H * 128 / 2 + H * (128 // 32) * 4
+    fp8_expert = fp8(256, H) + fp8(H, 128)
+    w4 = layer_bytes(replace(cfg, experts_int4_group=32), 1, bs=1, ctx=8, kv_bytes=2, weight_bytes=1)
+    fp = layer_bytes(cfg, 1, bs=1, ctx=8, kv_bytes=2, weight_bytes=1)
+    assert fp["weights"] - w4["weights"] == pytest.approx(4 * (fp8_expert - int4_expert))  # bs 1 touches top-4

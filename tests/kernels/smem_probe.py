@@ -1,5 +1,6 @@
-"""Shared memory of the attention kernels' default configs, compiled for sm_90 on this (CPU) machine; and the
-small fused kernels of the decode step (kernels/mla_rope_cache.py, kernels/silu_mul_quant.py, the norms, the
+"""Shared memory of the attention kernels' default configs, compiled for sm_90 on this (CPU) machine with
+programmatic dependent launch (each must then wait for the kernel before it: `griddepcontrol.wait` in its PTX); and
+the small fused kernels of the decode step (kernels/mla_rope_cache.py, kernels/silu_mul_quant.py, the norms, the
 block-FP8 GEMM and the fused-MoE GEMM with their split-K reduction) compiled the same way, because Triton's CPU interpreter runs code its GPU compiler refuses (e.g. a variable of two shapes in the two
 branches of an `if`, which reached a GPU once).
 
@@ -37,11 +38,14 @@ def _compile_sm90(fn, signature: dict, constexprs: dict, cfg=None, **options) ->
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    constexprs = dict(constexprs, PDL=True)  # as the engine launches them on a Hopper GPU (kernels/pdl.py)
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
     if cfg is not None:
         options.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                            options=options)
+                            options=dict(options, launch_pdl=True))
+    if "griddepcontrol.wait" not in kernel.asm["ptx"]:
+        raise AssertionError(f"{fn.__name__} compiled with PDL has no griddepcontrol.wait")
     return kernel.metadata.shared
 
 
