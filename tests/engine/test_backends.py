@@ -161,7 +161,7 @@ def test_runner_logs_its_kernels_once(caplog):
     lines = [r.getMessage() for r in caplog.records if "kernels:" in r.getMessage()]
     assert lines == ["rank 0 kernels: attention torch, moe torch, gemm torch, rms_norm triton, moe_gate triton, "
                      "all_reduce gloo, norm_quant off, act_quant off, rope_cache torch, shared_experts separate, "
-                     "moe_a2a none"]
+                     "moe_a2a none, pdl off"]
     assert runner.kernel_choice.rms_norm == "triton"
 
 
