@@ -7,14 +7,14 @@
 #   LAYOUTS="tp sep" bash benchmarks/depth_ab.sh         # + --shared-experts-backend separate
 #   MODEL=deepseek-v3 LAYERS=5 LAYOUTS=tp STAGES=onebatch bash benchmarks/depth_ab.sh
 #   STAGES="onebatch" TREE=.peer/before bash ...          # another checkout's engine (its one-batch only)
-#   BATCHES="1 32 128" CONCS="1 64 256" WARM=0 ...        # one-batch sizes, serving levels, no second (warm) start
+#   BATCHES="1 32 128" CONCS="1 64 256" WARM=0 ...        # one-batch sizes, serving levels (CONCS=: start only), no warm start
 # Keeps few files under $OUT (a lent machine returns a limited number): one log and one JSONL per one-batch layout,
 # the serving sweeps' files in one archive, and prints a table last. BUDGET_S bounds the whole run (each stage gets
 # what is left).
 set -u
 OUT=${OUT:-$PWD/depth-out}; MODEL=${MODEL:-deepseek-v2}; LAYERS=${LAYERS:-full}; TP=${TP:-2}; TREE=${TREE:-.}
 EXTRA=${EXTRA:-"--quantization fp8"}; LAYOUTS=${LAYOUTS:-"tp dp"}; STAGES=${STAGES:-"onebatch serve"}
-BUDGET_S=${BUDGET_S:-570}; PORT=${PORT:-30555}; BATCHES=${BATCHES:-"1 128"}; CONCS=${CONCS:-1}; WARM=${WARM:-1}
+BUDGET_S=${BUDGET_S:-570}; PORT=${PORT:-30555}; BATCHES=${BATCHES:-"1 128"}; CONCS=${CONCS-1}; WARM=${WARM:-1}
 mkdir -p "$OUT"
 T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
