@@ -7,7 +7,8 @@
 #   LAYOUTS="tp sep" bash benchmarks/depth_ab.sh         # + --shared-experts-backend separate
 #   MODEL=deepseek-v3 LAYERS=5 LAYOUTS=tp STAGES=onebatch bash benchmarks/depth_ab.sh
 #   STAGES="onebatch" TREE=.peer/before bash ...          # another checkout's engine (its one-batch only)
-#   BATCHES="1 32 128" CONCS="1 64 256" WARM=0 ...        # one-batch sizes, serving levels (CONCS=: start only), no warm start
+#   BATCHES="1 32 128" CONCS="1 64 256" WARM=0 ...        # one-batch sizes, serving levels, no warm start
+#   STAGES=serve CONCS= ...                               # start-up only (first start, then a warm one)
 # Keeps few files under $OUT (a lent machine returns a limited number): one log and one JSONL per one-batch layout,
 # the serving sweeps' files in one archive, and prints a table last. BUDGET_S bounds the whole run (each stage gets
 # what is left).

@@ -269,7 +269,8 @@ def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], 
         engine = (make_engine or Engine)(args, local_rank=local_rank)
         warm_up_start = time.perf_counter()
         _warm_up(engine)
-        _log_startup(rank, entered_after, {**engine.startup, "warm-up generations": time.perf_counter() - warm_up_start})
+        warm_up = time.perf_counter() - warm_up_start
+        _log_startup(rank, entered_after, {**engine.startup, "warm-up generations": warm_up})
     except BaseException as exc:  # noqa: BLE001 - report any startup failure to the server
         msg = str(exc) if isinstance(exc, DsctlError) else traceback.format_exc()
         if outbox is None:

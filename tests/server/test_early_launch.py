@@ -36,7 +36,8 @@ def test_a_failure_after_the_launch_stops_the_ranks(monkeypatch):
 
 
 def test_process_age_counts_from_the_process_start():
-    code = "import time; time.sleep(0.5); from engine.runtime.process_clock import process_age_s; print(process_age_s())"
+    code = ("import time; time.sleep(0.5); from engine.runtime.process_clock import process_age_s; "
+            "print(process_age_s())")
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert 0.5 <= age < 30
     assert process_age_s() > 0
