@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.sampling", "engine.forward_batch"),  # sampling parameters / sampling; one forward's batch
     ("engine.grammar",),  # grammar-constrained decoding: specs, compiled grammars, matchers, token masks
     # process groups, collectives, DP-attention gathers, a decode step's bytes floor; weight bytes by TP part
-    ("engine.distributed", "engine.memory.weight_tally"),
+    ("engine.distributed", "engine.memory.weight_tally", "engine.memory.formats"),
     ("engine.memory",),  # KV pool, request table, radix cache, request memory
     ("engine.weights",),  # tensors from checkpoints (or dummy) into modules
     ("engine.model",),  # the DeepSeek modules, attention / MoE backends, the kernel registry

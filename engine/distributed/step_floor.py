@@ -80,8 +80,8 @@ def serving_floor_ms(model: str, n_layers: int, bs: int, ctx: int, bw: float, tp
     checkpoint is block-FP8 or under --quantization fp8 / w4afp8, INT4 routed experts under w4afp8, else bf16;
     bf16 KV) at batch bs and context ctx, in ms, per GPU of the layout."""
     cfg = parse_config(lookup(model).config_dict())
-    if quantization == "w4afp8" and cfg.n_routed_experts and not cfg.experts_int4_group:
-        cfg = cfg.with_int4_experts()
+    if quantization == "w4afp8":
+        cfg = cfg.with_int4_experts()  # keeps a W4AFP8 checkpoint's own group
     weight_bytes = 1 if cfg.fp8 or quantization in ("fp8", "w4afp8") else 2
     return step_floor_s(cfg, n_layers or cfg.num_hidden_layers, bs, ctx, 2, bw, weight_bytes, tp, dp) * 1e3
 

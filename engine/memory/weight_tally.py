@@ -23,6 +23,7 @@ import math
 from typing import Optional
 
 from engine.checkpoint.config import ModelConfig
+from engine.memory.formats import quantization_for
 
 REPL, SPLIT, ATTN = "replicated", "split", "attention"
 
@@ -87,10 +88,9 @@ class Tally:
         touches) stored like the linear layers (INT4 under `cfg.experts_int4_group`), and the shared experts."""
         h, n = cfg.hidden_size, cfg.moe_intermediate_size
         self.router(cfg)
-        if cfg.experts_int4_group:  # W4AFP8: two INT4 weights a byte, a float32 scale per group along K
-            g = cfg.experts_int4_group
-            self.add(experts * (2 * n * h / 2 + 2 * n * math.ceil(h / g) * 4 + h * n / 2 + h * math.ceil(n / g) * 4),
-                     SPLIT)
+        if cfg.experts_int4_group:  # W4AFP8: the formats table's INT4 experts, as the memory plan counts them
+            fmt = quantization_for("w4afp8", int4_group=cfg.experts_int4_group).experts
+            self.add(experts * (fmt.nbytes(2 * n, h) + fmt.nbytes(h, n)), SPLIT)
         else:
             self.linear(2 * n, h, SPLIT, count=experts)  # w13
             self.linear(h, n, SPLIT, count=experts)  # w2
