@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import time
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
@@ -29,7 +28,7 @@ from engine.grammar.compiler import GrammarCompiler, check
 from engine.grammar.matcher import GrammarMasks, RequestGrammar
 from engine.grammar.spec import GrammarSpec
 from engine.runner.device import pick_device
-from engine.runner.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner, timed
 from engine.sampling import SamplingParams
 from engine.scheduler.output import CollectedOutput
 from engine.scheduler.processor import OutputProcessor
@@ -71,21 +70,19 @@ class Engine:
         self.args = args.validate()
         torch.manual_seed(args.model.seed)
         draft = DraftRunner if args.speculative.enabled else None
-        clock = time.perf_counter()
-        parallel = self._join_world(local_rank)
-        self.startup = {"joining the world": time.perf_counter() - clock}  # seconds per phase, for the logs
-        clock = time.perf_counter()
-        self.runner = ModelRunner(args, parallel=parallel, draft=draft)
-        self.startup["runner"] = time.perf_counter() - clock
-        clock = time.perf_counter()
-        self.tokenizer = load_tokenizer(self.runner.resolved.tokenizer_path)
-        eos = self.tokenizer.eos_ids() if self.tokenizer else set()
-        if not eos and self.runner.config.eos_token_id is not None:
-            eos = {self.runner.config.eos_token_id}
-        self.eos_ids = eos
-        self.grammars: Optional[GrammarCompiler] = None  # made for the first grammar request
-        self.scheduler = self.make_scheduler()
-        self.startup["tokenizer and scheduler"] = time.perf_counter() - clock
+        self.startup: dict[str, float] = {}  # seconds per start-up phase, for the logs
+        with timed(self.startup, "joining the world"):
+            parallel = self._join_world(local_rank)
+        with timed(self.startup, "runner"):
+            self.runner = ModelRunner(args, parallel=parallel, draft=draft)
+        with timed(self.startup, "tokenizer and scheduler"):
+            self.tokenizer = load_tokenizer(self.runner.resolved.tokenizer_path)
+            eos = self.tokenizer.eos_ids() if self.tokenizer else set()
+            if not eos and self.runner.config.eos_token_id is not None:
+                eos = {self.runner.config.eos_token_id}
+            self.eos_ids = eos
+            self.grammars: Optional[GrammarCompiler] = None  # made for the first grammar request
+            self.scheduler = self.make_scheduler()
         self._ids = itertools.count()
 
     def _join_world(self, local_rank: Optional[int]):

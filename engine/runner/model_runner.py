@@ -91,7 +91,8 @@ class Draft(Protocol):
 
 
 @contextmanager
-def _timed(into: dict[str, float], name: str):
+def timed(into: dict[str, float], name: str):
+    """Seconds spent inside the block, as into[name] (a start-up phase, for the logs)."""
     start = time.perf_counter()
     yield
     into[name] = time.perf_counter() - start
@@ -147,9 +148,9 @@ class ModelRunner:
         self.kernel_choice = self._pick_backends()
         self.kernels = build_kernels(self.kernel_choice, self.setup)
         phases = {}
-        with _timed(phases, "weights"):
+        with timed(phases, "weights"):
             self._build_model(draft)
-        with _timed(phases, "KV pool"):
+        with timed(phases, "KV pool"):
             self._init_memory()
         self.graphs = self.prefill_compiles = None
         self.compile_workers = workers = self._triton_compile_workers() if self.device.type == "cuda" else 0
@@ -159,20 +160,20 @@ class ModelRunner:
             self.compile_workers = workers = 0
         prefill_kernels = []
         if workers and not self.dp_attention:
-            with _timed(phases, "prefill kernels"):
+            with timed(phases, "prefill kernels"):
                 prefill_kernels = self._record_prefill()  # before the capture compiles anything in-process
         if self.setup.cuda_graphs:
-            with _timed(phases, "CUDA graphs"):
+            with timed(phases, "CUDA graphs"):
                 self.build_graph_runner(list(self.setup.graph_batch_sizes))
         if prefill_kernels:
             self.prefill_compiles = compile_in_background(prefill_kernels, workers)
             if not args.kernels.skip_compile_wait:
-                with _timed(phases, "prefill kernels compile"):
+                with timed(phases, "prefill kernels compile"):
                     self.prefill_compiles.wait()  # so that no request waits for one (issue: smooth streaming)
         self.piecewise = None
         sizes = self._piecewise_sizes()
         if sizes:
-            with _timed(phases, "piecewise graphs"):
+            with timed(phases, "piecewise graphs"):
                 self.build_piecewise(sizes)
         self.late_compiles = LateCompileLog()
         if self.device.type == "cuda":

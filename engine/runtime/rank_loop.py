@@ -35,7 +35,6 @@ import logging
 import os
 import signal
 import sys
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Optional
@@ -44,6 +43,7 @@ from engine.args import EngineArgs
 from engine.distributed.comm import all_gather_ints, all_reduce_max_int, broadcast_object, gather_objects
 from engine.engine import Engine
 from engine.errors import DsctlError
+from engine.runner.model_runner import timed
 from engine.runtime import protocol
 from engine.runtime.dp_controller import DPController, waiting_tokens
 from engine.runtime.process_clock import process_age_s
@@ -267,10 +267,9 @@ def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], 
     entered_after = process_age_s()
     try:
         engine = (make_engine or Engine)(args, local_rank=local_rank)
-        warm_up_start = time.perf_counter()
-        _warm_up(engine)
-        warm_up = time.perf_counter() - warm_up_start
-        _log_startup(rank, entered_after, {**engine.startup, "warm-up generations": warm_up})
+        with timed(engine.startup, "warm-up generations"):
+            _warm_up(engine)
+        _log_startup(rank, entered_after, engine.startup)
     except BaseException as exc:  # noqa: BLE001 - report any startup failure to the server
         msg = str(exc) if isinstance(exc, DsctlError) else traceback.format_exc()
         if outbox is None:
