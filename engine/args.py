@@ -405,6 +405,16 @@ class ParallelArgs:
         "--ep-size equal to --tp.",
         choices=("none", "torch"),
     )
+    expert_placement: Optional[str] = flag(
+        None, "Expert parallel: a placement file (written by dsctl place-experts from a server's routing counts) "
+        "giving each MoE layer's expert slots per EP rank, redundant copies of hot experts included. Needs --ep-size "
+        "equal to --tp.",
+    )
+    record_expert_load: bool = flag(
+        False, "Count the tokens each MoE layer routes to each expert (on the GPU, inside CUDA graphs; a few small "
+        "kernels per MoE layer and step): /metrics shows each EP rank's expert load, GET /expert_load the counts "
+        "per layer and expert (what dsctl place-experts reads).",
+    )
     nnodes: int = flag(1, "Nodes in the job; node 0 serves HTTP, the others run engine ranks only.")
     node_rank: int = flag(0, "This node's index, 0..--nnodes-1.")
     dist_init_addr: Optional[str] = flag(
@@ -428,6 +438,9 @@ class ParallelArgs:
     def validate(self, device: str = "auto") -> None:
         _check_choices(self)
         self.config().validate(device_type="cuda" if device == "cuda" else "cpu")
+        if self.expert_placement is not None and self.config().ep_size <= 1:
+            raise UsageError("--expert-placement places experts over expert-parallel ranks: add --ep-size equal to "
+                             "--tp (or --enable-ep-moe), or drop it")
         if self.load_balance_method is not None and not self.enable_dp_attention:
             raise UsageError(f"--load-balance-method {self.load_balance_method} spreads requests over DP attention "
                              "groups: add --enable-dp-attention --dp N, or drop it")

@@ -58,6 +58,9 @@ class ForwardBatch:
     # Host copy of req_pool_indices where the batch was built from host lists (extend planning reads it
     # instead of copying the device tensor back, which would wait for the forward in flight).
     req_rows_cpu: Optional[list[int]] = None
+    # A padded static batch (a CUDA graph's): its rows before this one are real tokens, the rest padding
+    # (None: every row is real).
+    real_tokens: Optional[int] = None
 
     @property
     def batch_size(self) -> int:

@@ -5,7 +5,7 @@ Per rank, inside `--mem-fraction-static` of the card (minus what other processes
 - weights by part (`weight_parts`): embedding + lm_head (vocab rows over the attention group), attention
   (q_a / kv_a and their norms whole on every rank, q_b / kv_b / o_proj and the absorbed w_kc / w_vc over the
   attention group: DP attention replicates them over its groups), routed experts (over TP, or whole
-  experts over EP: the same bytes), shared experts + dense MLP (over TP), norms + router (whole), the MTP
+  experts over EP: the same bytes; an --expert-placement's redundant copies added), shared experts + dense MLP (over TP), norms + router (whole), the MTP
   layer (when the checkpoint ships it: the engine builds it whether or not it speculates). Linear layers
   and routed experts are stored as the `--quantization` scheme says (engine/memory/formats.py); the
   rest in the model dtype.
@@ -29,6 +29,7 @@ from typing import Optional
 
 from engine.args import EngineArgs
 from engine.checkpoint.config import ModelConfig
+from engine.distributed.expert_placement import load_placement
 from engine.memory.formats import QUANTIZATIONS, Quantization, quantization_for
 from engine.memory.weight_tally import ATTN, REPL, SPLIT, Tally
 
@@ -72,6 +73,7 @@ class PlanSpec:
     max_total_tokens: Optional[int] = None  # --max-total-tokens, when given
     max_running_requests: int = 256
     min_kv_tokens: int = 4096
+    redundant_experts: int = 0  # --expert-placement: extra expert slots per MoE layer (the most of any layer)
 
     @property
     def attn_tp(self) -> int:
@@ -117,7 +119,7 @@ def _layer(parts: _Parts, cfg: ModelConfig, spec: PlanSpec, moe: bool, into: Opt
     if not moe:
         mlp.mlp(cfg.hidden_size, cfg.intermediate_size)
     else:
-        h, e, n = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        h, e, n = cfg.hidden_size, cfg.n_routed_experts + spec.redundant_experts, cfg.moe_intermediate_size
         small.router(cfg)
         fmt = spec.quant.experts
         experts.add(e * (fmt.nbytes(2 * n, h, db) + fmt.nbytes(h, n, db)), SPLIT)  # w13, w2 (EP: whole ones)
@@ -266,4 +268,6 @@ def spec_from_args(args: EngineArgs, cfg: ModelConfig, *, tp: int, dp: int, ep: 
         expanded_kv=args.kernels.disable_mla, gpu_bytes=gpu_bytes, gpu_used_bytes=gpu_used_bytes,
         mem_fraction_static=args.cache.mem_fraction_static, max_model_len=args.model.max_model_len,
         max_total_tokens=args.cache.max_total_tokens, max_running_requests=args.scheduler.max_running_requests,
-        min_kv_tokens=args.cache.min_kv_tokens)
+        min_kv_tokens=args.cache.min_kv_tokens,
+        redundant_experts=load_placement(args.parallel.expert_placement).redundant()
+        if args.parallel.expert_placement else 0)

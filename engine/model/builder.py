@@ -29,11 +29,13 @@ from typing import Optional
 import torch
 
 from engine.checkpoint.config import ModelConfig
+from engine.distributed.expert_placement import ExpertPlacement
 from engine.distributed.groups import TPGroup
 from engine.model.deepseek import DeepseekForCausalLM, MTPLayer
 from engine.model.kernel_registry import KernelSetup, auto_kernels
 from engine.model.kernel_set import REFERENCE, Kernels
 from engine.model.layers import MLP, solo_group
+from engine.model.moe import MoE
 from engine.weights.dummy import fill_dummy
 from engine.weights.loader import has_mtp_layer, iter_params, load_checkpoint
 from kernels.fp8_math import WEIGHT_BLOCK
@@ -41,16 +43,31 @@ from kernels.interpret import interpreting
 
 
 def make_modules(config: ModelConfig, num_layers: int, dtype: torch.dtype, fp8_block=None,
-                 tp: Optional[TPGroup] = None, mtp: bool = True,
-                 kernels: Kernels = REFERENCE) -> dict[str, torch.nn.Module]:
+                 tp: Optional[TPGroup] = None, mtp: bool = True, kernels: Kernels = REFERENCE,
+                 placement: Optional[ExpertPlacement] = None) -> dict[str, torch.nn.Module]:
     """{"": the model, "mtp.": its MTP layer (when `mtp`)} for one rank, weights unfilled (on the
-    current default device: wrap in `with torch.device(...)`, "meta" for shapes only)."""
+    current default device: wrap in `with torch.device(...)`, "meta" for shapes only); placement: where the
+    routed experts live under EP (None: the plain layout)."""
     cfg = config.with_num_layers(num_layers)
-    modules: dict[str, torch.nn.Module] = {"": DeepseekForCausalLM(cfg, dtype, fp8_block, tp, kernels)}
+    modules: dict[str, torch.nn.Module] = {"": DeepseekForCausalLM(cfg, dtype, fp8_block, tp, kernels, placement)}
     if mtp:
         modules["mtp."] = MTPLayer(cfg, num_layers, dtype, fp8_block,
-                                   moe=config.is_moe_layer(config.num_hidden_layers), tp=tp, kernels=kernels)
+                                   moe=config.is_moe_layer(config.num_hidden_layers), tp=tp, kernels=kernels,
+                                   placement=placement, layer=config.num_hidden_layers)
     return modules
+
+
+def placed_experts(modules: dict[str, torch.nn.Module]) -> dict[str, tuple[int, ...]]:
+    """Each expert parameter of a MoE with a placement -> the logical expert of each of its local slots (what
+    the loader and the dummy weights fill each slot with)."""
+    placed = {}
+    for prefix, mod in modules.items():
+        for name, m in mod.named_modules():
+            if isinstance(m, MoE) and m.slots:
+                for p in ("w13", "w2", "w13_scale", "w2_scale"):
+                    if getattr(m, p) is not None:
+                        placed[f"{prefix}{name}.{p}"] = m.local_experts()
+    return placed
 
 
 def full_shapes(config: ModelConfig, num_layers: int, dtype: torch.dtype, fp8_block=None,
@@ -64,28 +81,30 @@ def full_shapes(config: ModelConfig, num_layers: int, dtype: torch.dtype, fp8_bl
 def build_model(config: ModelConfig, num_layers: int, dtype: torch.dtype, device: torch.device | str,
                 fp8_block: Optional[tuple[int, int]] = None, tp: Optional[TPGroup] = None, *,
                 checkpoint: Optional[Path] = None, seed: int = 0, mtp: Optional[bool] = None,
-                kernels: Optional[Kernels] = None) -> tuple[DeepseekForCausalLM, Optional[MTPLayer]]:
+                kernels: Optional[Kernels] = None,
+                placement: Optional[ExpertPlacement] = None) -> tuple[DeepseekForCausalLM, Optional[MTPLayer]]:
     """This rank's (model, MTP layer or None), weights loaded, in eval mode.
 
     config: the checkpoint's whole config (num_layers <= its num_hidden_layers keeps the first ones);
     fp8_block: the block of weights kept FP8 (None: FP8 checkpoints are dequantised at load);
     tp: this rank's TP group (None: unsplit); checkpoint: the directory, or None for dummy weights
     drawn from `seed`; mtp: build the MTP layer (None: when `has_mtp_layer`); kernels: what the
-    modules run (None: `default_kernels`)."""
+    modules run (None: `default_kernels`); placement: the routed experts' slots under EP (None: plain)."""
     tp = tp or solo_group()
     want_mtp = has_mtp_layer(config, checkpoint) if mtp is None else mtp
     kernels = kernels or default_kernels(config, dtype, torch.device(device), fp8_block, tp)
     with torch.device(device):
-        modules = make_modules(config, num_layers, dtype, fp8_block, tp, want_mtp, kernels)
+        modules = make_modules(config, num_layers, dtype, fp8_block, tp, want_mtp, kernels, placement)
     model, mtp_layer = modules[""], modules.get("mtp.")
+    placed = placed_experts(modules)
     if checkpoint is None:
         shapes = full_shapes(config, num_layers, dtype, fp8_block, want_mtp) if tp.size > 1 else None
-        fill_dummy(iter_params(modules), seed, shapes, tp, fp8_block)
+        fill_dummy(iter_params(modules), seed, shapes, tp, fp8_block, placed)
         if mtp_layer is not None:
             mtp_layer.embed_tokens, mtp_layer.head = model.embed_tokens, model.lm_head
     else:
         block = (config.fp8.block_n, config.fp8.block_k) if config.fp8 is not None else fp8_block or WEIGHT_BLOCK
-        load_checkpoint(modules, Path(checkpoint), config, num_layers, block, tp)
+        load_checkpoint(modules, Path(checkpoint), config, num_layers, block, tp, placed)
     derive_weights(modules)
     return model, mtp_layer
 

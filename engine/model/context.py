@@ -16,7 +16,9 @@ The tensor-parallel group is not here: it is given to the model at construction
 (engine/model/deepseek.py), because it also decides which shard of each weight a module
 allocates, and each layer that reduces keeps it. What changes per forward under DP
 attention, the token counts of every DP group, is here: `dp` (engine/distributed/dp_attention.py,
-None without DP attention) gathers the hidden states before each MLP and scatters them after.
+None without DP attention) gathers the hidden states before each MLP and scatters them after. So are the
+routing counts every MoE layer adds to (`expert_load`, engine/model/expert_load.py; None unless
+--record-expert-load), told each forward's real row count by `begin_forward`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 from engine.distributed.dp_attention import DPGather
 from engine.forward_batch import ForwardBatch
 from engine.memory.pools import KVPool, ReqToTokenPool
+from engine.model.expert_load import ExpertLoad
 from engine.model.rope import RotaryEmbedding
 
 
@@ -64,9 +67,12 @@ class ForwardContext:
     dp: Optional[DPGather] = None  # DP attention: this forward's gather / scatter (set by the runner)
     expanded_kv: bool = False  # --disable-mla: the pool holds per-head K/V (engine/model/attention_expanded.py)
     static_shapes: bool = False  # this forward is a CUDA graph's (captured, or its padded batch run eagerly)
+    expert_load: Optional[ExpertLoad] = None  # --record-expert-load: the MoE layers' routing counts
 
     def begin_forward(self, fb: ForwardBatch, graph_bs: Optional[int] = None) -> None:
         """Host-side planning once per forward, before any layer runs (graph_bs: a CUDA graph's padded size:
         the layers then keep static shapes and make no host synchronisation, e.g. the MoE token exchange)."""
         self.static_shapes = graph_bs is not None
+        if self.expert_load is not None:
+            self.expert_load.begin_forward(fb.num_tokens if fb.real_tokens is None else fb.real_tokens)
         self.attn_backend.begin_forward(fb, self, graph_bs)

@@ -26,6 +26,7 @@ from torch import nn
 
 from engine.checkpoint.config import ModelConfig
 from engine.distributed.divisibility import check_model_divisible
+from engine.distributed.expert_placement import ExpertPlacement
 from engine.distributed.groups import TPGroup
 from engine.forward_batch import ForwardBatch
 from engine.model.attention import MLA
@@ -52,14 +53,19 @@ def check_tp(cfg: ModelConfig, tp: TPGroup, fp8_block=None) -> None:
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, cache_layer: int, dtype: torch.dtype, fp8_block=None, moe: bool = False,
-                 tp: Optional[TPGroup] = None, kernels: Kernels = REFERENCE):
+                 tp: Optional[TPGroup] = None, kernels: Kernels = REFERENCE,
+                 placement: Optional[ExpertPlacement] = None, layer: Optional[int] = None):
+        """layer: the checkpoint's index of this layer (default: cache_layer; the MTP layer's differs), which
+        names it in an expert placement and in the routing counts."""
         super().__init__()
         tp = tp or solo_group()
+        layer = cache_layer if layer is None else layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.self_attn = MLA(cfg, cache_layer, dtype, fp8_block, tp.attention, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.is_moe = moe
-        self.mlp = (MoE(cfg, dtype, fp8_block, tp, kernels) if moe
+        self.mlp = (MoE(cfg, dtype, fp8_block, tp, kernels, layer, placement.slots(layer) if placement else None)
+                    if moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block, tp, kernels=kernels))
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, ctx: ForwardContext,
@@ -84,7 +90,7 @@ class DeepseekForCausalLM(nn.Module):
     """embed -> decoder layers -> norm -> lm_head. KV cache layer i belongs to decoder layer i."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block=None, tp: Optional[TPGroup] = None,
-                 kernels: Kernels = REFERENCE):
+                 kernels: Kernels = REFERENCE, placement: Optional[ExpertPlacement] = None):
         super().__init__()
         self.cfg = cfg
         self.kernels = kernels
@@ -94,7 +100,7 @@ class DeepseekForCausalLM(nn.Module):
         vocab = tp_local(cfg.vocab_size, self.tp, "vocab_size")  # this rank's vocab rows
         self.embed_tokens = nn.Parameter(torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, fp8_block, moe=cfg.is_moe_layer(i), tp=tp, kernels=kernels)
+            DecoderLayer(cfg, i, dtype, fp8_block, moe=cfg.is_moe_layer(i), tp=tp, kernels=kernels, placement=placement)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
@@ -136,7 +142,9 @@ class MTPLayer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, cache_layer: int, dtype: torch.dtype, fp8_block=None,
-                 moe: bool = True, tp: Optional[TPGroup] = None, kernels: Kernels = REFERENCE):
+                 moe: bool = True, tp: Optional[TPGroup] = None, kernels: Kernels = REFERENCE,
+                 placement: Optional[ExpertPlacement] = None, layer: Optional[int] = None):
+        """layer: its index in the checkpoint (the config's num_hidden_layers), which names it in a placement."""
         super().__init__()
         h = cfg.hidden_size
         self.kernels = kernels
@@ -148,7 +156,8 @@ class MTPLayer(nn.Module):
         self.enorm = RMSNorm(h, cfg.rms_norm_eps, dtype, kernels)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dtype, kernels)
         self.eh_proj = Linear(2 * h, h, dtype, kernels=kernels)  # replicated
-        self.layer = DecoderLayer(cfg, cache_layer, dtype, fp8_block, moe=moe, tp=tp, kernels=kernels)
+        self.layer = DecoderLayer(cfg, cache_layer, dtype, fp8_block, moe=moe, tp=tp, kernels=kernels,
+                                  placement=placement, layer=layer)
         self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, kernels)
         self.embed_tokens = None  # set to the main model's unless the checkpoint has its own
         self.head = None

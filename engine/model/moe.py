@@ -43,11 +43,17 @@ gather; under plain TP each rank takes 1/tp of the rows, `token_share`), routes 
 runs them there through the MoE backend and brings the weighted outputs back. The shared experts are then
 whole on every rank (the loader reads them unsplit) and run on the rank's own tokens; nothing is
 all-reduced. Under CUDA graphs (`ctx.static_shapes`) the exchange runs its fixed-size mode.
+
+Expert placement (`--expert-placement`, engine/distributed/expert_placement.py): under EP a layer may hold E + R
+expert slots, S = (E + R) / ep per rank, the hottest experts with several copies. `to_slots` maps each routed
+logical expert to one of its copies (row + column of the pick, mod its copies) right after routing; from there
+slot ids stand for expert ids in both paths above. The routing counts (`--record-expert-load`,
+engine/model/expert_load.py) take the slot ids of the rank's own rows.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +72,17 @@ from kernels.fused_moe import fused_moe, fused_moe_ref
 from kernels.fused_moe_w4a8 import fused_moe_w4a8, fused_moe_w4a8_ref
 
 
+def replica_tables(slots: Sequence[int], num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table [E, most copies] int32: the slots of each logical expert, its first slot repeated past its copies;
+    count [E] int32: its copies), what `MoE.to_slots` maps routed logical ids with."""
+    where: list[list[int]] = [[] for _ in range(num_experts)]
+    for p, e in enumerate(slots):
+        where[e].append(p)
+    width = max(len(w) for w in where)
+    table = torch.tensor([w + [w[0]] * (width - len(w)) for w in where], dtype=torch.int32)
+    return table, torch.tensor([len(w) for w in where], dtype=torch.int32)
+
+
 def select_experts(logits: torch.Tensor, cfg: ModelConfig, bias: Optional[torch.Tensor],
                    gate: Gate = torch_gate, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] (float32) -> (weights [T, k] float32, ids [T, k] int32), by `gate`
@@ -76,19 +93,26 @@ def select_experts(logits: torch.Tensor, cfg: ModelConfig, bias: Optional[torch.
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_block=None, tp: Optional[TPGroup] = None,
-                 kernels: Kernels = REFERENCE):
+                 kernels: Kernels = REFERENCE, layer: int = 0, slots: Optional[Sequence[int]] = None):
+        """layer: the checkpoint's layer index (the routing counts' key); slots: under EP, a placement's slot ->
+        logical expert list for this layer (engine/distributed/expert_placement.py; None: the plain layout)."""
         super().__init__()
         self.cfg = cfg
         self.kernels = kernels
+        self.layer = layer
         self.tp = tp = tp or solo_group()
         e, k = cfg.n_routed_experts, cfg.hidden_size
+        self.slots = tuple(slots) if slots is not None and tp.ep_size > 1 else None
         if tp.ep_size > 1:  # whole experts per rank
-            e, n = e // tp.ep_size, cfg.moe_intermediate_size
+            e, n = (len(self.slots) if self.slots else e) // tp.ep_size, cfg.moe_intermediate_size
             self.first_expert = tp.ep_rank * e
         else:
             n = tp_local(cfg.moe_intermediate_size, tp, "moe_intermediate_size")  # this rank's share
             self.first_expert = 0
         self.num_local_experts = e
+        table, count = replica_tables(self.slots, cfg.n_routed_experts) if self.slots else (None, None)
+        self.register_buffer("replica_table", table, persistent=False)  # logical expert -> its slots
+        self.register_buffer("replica_count", count, persistent=False)  # logical expert -> its copies
         self.fp8_block = fp8_block
         # the router's logits are float32 (as DeepSeek's reference computes them): its weight is kept in float32, so
         # that no step converts it again (a copy of the whole router per MoE layer and step)
@@ -182,12 +206,39 @@ class MoE(nn.Module):
         return select_experts(logits, self.cfg, self.e_score_correction_bias, self.kernels.moe_gate,
                               self.fused_shared)
 
+    def local_experts(self) -> tuple[int, ...]:
+        """The logical expert each of this rank's expert slots holds (what the loader fills them with)."""
+        if self.slots:
+            return self.slots[self.first_expert: self.first_expert + self.num_local_experts]
+        return tuple(range(self.first_expert, self.first_expert + self.num_local_experts))
+
+    def to_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Routed logical ids [T, k] -> slot ids under a placement (a pick of an expert with several copies takes
+        copy (row + column) mod copies); ids of no expert -> -1. Without a placement: `ids` as they are."""
+        if self.replica_table is None:
+            return ids
+        valid = (ids >= 0) & (ids < self.cfg.n_routed_experts)
+        safe = torch.where(valid, ids, torch.zeros_like(ids)).long()
+        rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+        cols = torch.arange(ids.shape[1], device=ids.device)
+        pick = (rows + cols) % self.replica_count[safe]
+        slot = self.replica_table[safe, pick]
+        return torch.where(valid, slot, torch.full_like(slot, -1)).to(ids.dtype)
+
+    def _record(self, ids: torch.Tensor, ctx: ForwardContext, first_row: int = 0) -> None:
+        """--record-expert-load: count this rank's own rows' routed slots (engine/model/expert_load.py)."""
+        top_k = self.cfg.num_experts_per_tok  # not the fused shared experts' columns
+        ctx.expert_load.record(self.layer, ids[:, :top_k], ctx.static_shapes, first_row)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: every token of the step on every rank (gather path), or this rank's attention group's tokens
         (`tp.exchanges_tokens`); the output has x's rows."""
         if self.tp.exchanges_tokens:
             return self.forward_exchanged(x, ctx)
         weights, ids = self.route(x)
+        ids = self.to_slots(ids)
+        if ctx.expert_load is not None and self.tp.attention.is_first:  # the group's tokens, counted once
+            self._record(ids if ctx.dp is None else ctx.dp.scatter(ids), ctx)
         if self.tp.ep_size > 1:
             ids = local_expert_ids(ids, self.first_expert, self.num_local_experts)
         out = ctx.moe_backend.experts(self, x, weights, ids)
@@ -204,6 +255,9 @@ class MoE(nn.Module):
         if ctx.static_shapes and mine.shape[0] < per:  # every rank exchanges the same row count
             mine = torch.cat((mine, mine.new_zeros((per - mine.shape[0], *mine.shape[1:]))))
         weights, ids = self.route(mine)
+        ids = self.to_slots(ids)
+        if ctx.expert_load is not None:
+            self._record(ids, ctx, start)
 
         def experts(rows: torch.Tensor, w: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
             return ctx.moe_backend.experts(self, rows, w, local_ids)

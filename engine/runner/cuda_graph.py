@@ -188,7 +188,8 @@ class CudaGraphRunner:
             if self.spec_hidden is not None:
                 self.spec_hidden[b:bs].zero_()
         lens = lens + [1] * (bs - b)  # host copy of what the static buffers now hold
-        batch = dataclasses.replace(self.batches[bs], seq_lens_cpu=lens, prefix_lens_cpu=[n - 1 for n in lens])
+        batch = dataclasses.replace(self.batches[bs], seq_lens_cpu=lens, prefix_lens_cpu=[n - 1 for n in lens],
+                                    real_tokens=b)
         self.prepare(batch, bs)
         if bs not in self.graphs:  # built with capture=False
             return self.forward(batch)

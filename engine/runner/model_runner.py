@@ -29,6 +29,7 @@ from engine.checkpoint.resolve import ResolvedModel, resolve_model
 from engine.distributed.comm import all_reduce_min_int, broadcast_tensor
 from engine.distributed.dp_attention import TARGET, DPGather
 from engine.distributed.dp_sync import DPSync, IdleForward
+from engine.distributed.expert_placement import ExpertPlacement, placement_for
 from engine.distributed.groups import ParallelState, single_process
 from engine.errors import UsageError
 from engine.forward_batch import ForwardBatch, ForwardMode
@@ -37,6 +38,7 @@ from engine.memory.plan_check import judge
 from engine.memory.pools import KVPool, ReqToTokenPool, kv_row_dim
 from engine.model.builder import build_model
 from engine.model.context import ForwardContext
+from engine.model.expert_load import ExpertLoad, ExpertLoadReport
 from engine.model.kernel_registry import (
     ATTENTION,
     MOE,
@@ -46,6 +48,7 @@ from engine.model.kernel_registry import (
     describe,
     resolve_kernels,
 )
+from engine.model.moe import MoE
 from engine.model.rope import RotaryEmbedding
 from engine.runner.cuda_graph import CudaGraphRunner
 from engine.runner.device import pick_device, pick_dtype
@@ -250,10 +253,35 @@ class ModelRunner:
         r = self.resolved
         self.model, self.mtp = build_model(r.config, self.num_layers, self.dtype, self.device, self.fp8_block,
                                            self.parallel.tp, checkpoint=None if r.dummy else r.path,
-                                           seed=self.args.model.seed, kernels=self.kernels)
+                                           seed=self.args.model.seed, kernels=self.kernels,
+                                           placement=self._expert_placement())
         self.draft = draft(self) if draft is not None else None
         if self.draft is not None:
             self.mtp = self.draft.layer
+
+    def _expert_placement(self) -> Optional[ExpertPlacement]:
+        """--expert-placement, read and checked against the model and the EP size (None without it)."""
+        path = self.args.parallel.expert_placement
+        if path is None:
+            return None
+        return placement_for(path, self.resolved.config, self.parallel.tp.ep_size)
+
+    def _expert_load(self) -> Optional[ExpertLoad]:
+        """--record-expert-load: the routing counts of every MoE layer (main model and MTP layer)."""
+        if not self.args.parallel.record_expert_load:
+            return None
+        modules = [self.model] + ([self.mtp] if self.mtp is not None else [])
+        slots = {m.layer: m.slots or tuple(range(self.config.n_routed_experts))
+                 for mod in modules for m in mod.modules() if isinstance(m, MoE)}
+        return ExpertLoad(slots, self.config.n_routed_experts, self.parallel.tp.ep_size, self.device)
+
+    def expert_load_report(self) -> Optional[ExpertLoadReport]:
+        """The job's routing counts since ready (a collective: every rank calls it at the same point); None when
+        not recorded."""
+        load = self.forward_ctx.expert_load
+        if load is None:
+            return None
+        return load.report(load.totals(self.parallel.tp))
 
     def _dp_sync(self) -> Optional[DPSync]:
         """DP attention's per-forward agreement with the other groups (engine/distributed/dp_sync.py), or
@@ -284,7 +312,7 @@ class ModelRunner:
         attention = ATTENTION.build(self.kernel_choice.attention, self.setup, self.kv_pool, self.req_to_token)
         moe = MOE.build(self.kernel_choice.moe, self.setup)
         self.forward_ctx = ForwardContext(self.kv_pool, self.req_to_token, rotary, attention, moe,
-                                          expanded_kv=self.setup.expanded_kv)
+                                          expanded_kv=self.setup.expanded_kv, expert_load=self._expert_load())
 
     def _default_kv_tokens(self, cache_layers: int, kv_dtype: torch.dtype) -> int:
         """KV tokens that fit in --mem-fraction-static of the GPU after the weights (CPU: a fixed default)."""

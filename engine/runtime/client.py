@@ -27,6 +27,8 @@ from engine.runtime.protocol import (
     AddRequest,
     EngineInfo,
     EngineStats,
+    ExpertLoadUpdate,
+    ReportExpertLoad,
     RequestOutput,
     StepOutputs,
 )
@@ -65,6 +67,8 @@ class EngineClient:
         self._rank_main = rank_main
         self.info: Optional[EngineInfo] = None
         self.stats = EngineStats()
+        self.expert_load: Optional[ExpertLoadUpdate] = None  # the latest routing counts (--record-expert-load)
+        self._load_waiters: list[asyncio.Future] = []
         self.dead_reason: Optional[str] = None
         self.startup_failed = False
         self.pending: set[str] = set()  # submitted, no output yet (waiting to be scheduled)
@@ -145,6 +149,15 @@ class EngineClient:
         self._outq.put(AddRequest(rid, list(prompt_ids), params, grammar=grammar))
         return rid
 
+    async def fetch_expert_load(self, timeout: float = 30.0) -> ExpertLoadUpdate:
+        """Ask the ranks for their routing counts now and wait for them (they answer between steps)."""
+        if not self.healthy:
+            raise EngineUnavailable("the engine is not serving")
+        waiter = self._loop.create_future()
+        self._load_waiters.append(waiter)
+        self._outq.put(ReportExpertLoad())
+        return await asyncio.wait_for(waiter, timeout)
+
     def abort(self, rid: str) -> None:
         if self._routes.pop(rid, None) is not None:
             self.pending.discard(rid)
@@ -207,6 +220,12 @@ class EngineClient:
                     route.sink.put_nowait((route.tag, out))
                     if out.finished:
                         del self._routes[out.rid]
+        elif isinstance(msg, ExpertLoadUpdate):
+            self.expert_load = msg
+            waiters, self._load_waiters = self._load_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(msg)
         elif isinstance(msg, AddFailed):
             self.pending.discard(msg.rid)
             route = self._routes.pop(msg.rid, None)

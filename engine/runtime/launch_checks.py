@@ -18,6 +18,7 @@ import torch
 from engine.args import EngineArgs
 from engine.checkpoint.resolve import ResolvedModel, resolve_model
 from engine.distributed.divisibility import check_model_divisible
+from engine.distributed.expert_placement import placement_for
 from engine.distributed.parallel_config import ParallelConfig
 from engine.errors import CheckpointError, UsageError
 from engine.memory.plan import GB, MemoryPlan, PlanSpec, plan_memory, spec_from_args, used_by_others
@@ -63,6 +64,8 @@ def check_launch(args: EngineArgs, resolved: Optional[ResolvedModel] = None) -> 
     if pc.tp_size > 1:
         check_model_divisible(cfg, pc.tp_size, block, ep_size=pc.ep_size, attn_tp_size=pc.attn_tp_size)
     check_int4_split(cfg, args.model.quantization, pc.tp_size, pc.ep_size)  # W4AFP8 experts (INT4 groups)
+    if args.parallel.expert_placement:
+        placement_for(args.parallel.expert_placement, resolved.config, pc.ep_size)
     if device.type == "cuda":  # the card's total only: asking CUDA for free memory would hold a context here
         spec = plan_spec(args, resolved, pc, torch.cuda.get_device_properties(pc.gpu_id(0)).total_memory,
                          gpus_per_node=gpus or 1)

@@ -20,7 +20,7 @@ from engine.checkpoint.tokenizer import load_tokenizer
 from engine.engine import Engine, build_output, per_prompt, prompt_token_lists
 from engine.errors import RequestError, UsageError
 from engine.runtime.launch_checks import check_launch, launch_args
-from engine.runtime.protocol import AddFailed, AddRequest, EngineInfo, StepOutputs
+from engine.runtime.protocol import AddFailed, AddRequest, EngineInfo, ExpertLoadUpdate, ReportExpertLoad, StepOutputs
 from engine.runtime.ranks import EngineRankError, EngineRanks
 from engine.sampling import SamplingParams
 from engine.scheduler.output import CollectedOutput
@@ -89,6 +89,12 @@ class RankedEngine:
                         if out.finished:
                             left.discard(out.rid)
         return [build_output(ids, p, collected[rid], self._decode) for rid, ids, p in zip(rids, token_lists, params)]
+
+    def expert_load(self):
+        """The ranks' summed routing counts since ready (engine/model/expert_load.py's ExpertLoadReport; None
+        without --record-expert-load)."""
+        self._ranks.send(ReportExpertLoad())
+        return self._receive(ExpertLoadUpdate).report
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

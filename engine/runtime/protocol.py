@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.grammar.spec import GrammarSpec
+from engine.model.expert_load import ExpertLoadReport
 from engine.sampling import SamplingParams
 from engine.scheduler.output import RequestOutput
 
@@ -38,7 +39,21 @@ class Shutdown:
     """Abort everything still running and exit."""
 
 
+@dataclass
+class ReportExpertLoad:
+    """Send the routing counts (--record-expert-load): every rank sums its counts with the others', rank 0
+    answers with an ExpertLoadUpdate."""
+
+
 # ---- engine -> serving -----------------------------------------------------
+@dataclass
+class ExpertLoadUpdate:
+    """The job's routing counts since it became ready (None: --record-expert-load is off); sent on request and
+    every EXPERT_LOAD_EVERY step outputs."""
+
+    report: Optional[ExpertLoadReport]
+
+
 @dataclass
 class EngineInfo:
     max_model_len: int

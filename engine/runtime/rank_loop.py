@@ -52,6 +52,7 @@ from engine.sampling import SamplingParams
 log = logging.getLogger("dsctl.engine")
 
 HEARTBEAT_S = 1.0  # an idle TP rank 0 broadcasts an empty message list this often
+EXPERT_LOAD_EVERY = 64  # --record-expert-load: the routing counts go to the server every this many step outputs
 EXIT_STACK_DUMP_S = 20.0  # a rank still exiting this long after its loop ended logs its threads' stacks
 
 
@@ -79,6 +80,7 @@ class EngineLoop:
         self.tp = engine.runner.parallel.tp
         self.dp = self.tp.dp_size > 1
         self._deferred: list = []  # DP attention: messages for the serving process, sent through rank 0
+        self.sent_outputs = 0  # step outputs sent (every rank counts the same: they send in step)
         self.controller = None
         if self.dp and self.tp.is_first:
             self.controller = DPController(self.tp.dp_size, engine.args.parallel.load_balance_method)
@@ -95,6 +97,8 @@ class EngineLoop:
             self._add(msg)
         elif isinstance(msg, protocol.AbortRequest):
             self.engine.scheduler.abort(msg.rid)
+        elif isinstance(msg, protocol.ReportExpertLoad):
+            self.report_expert_load()
         elif isinstance(msg, protocol.Shutdown):
             self.engine.scheduler.abort_all()
             self.send_outputs()
@@ -115,8 +119,18 @@ class EngineLoop:
         if self.engine.scheduler.has_work():
             self.engine.scheduler.step()
 
+    def report_expert_load(self) -> None:
+        """Every rank at the same point (a collective): the summed routing counts; rank 0 sends them."""
+        report = self.engine.runner.expert_load_report()
+        if self.outbox is not None:
+            self.outbox.send(protocol.ExpertLoadUpdate(report))
+
     def send_outputs(self) -> None:
-        """Send the deltas gathered since the last call, and the stats."""
+        """Send the deltas gathered since the last call, and the stats (and, every EXPERT_LOAD_EVERY calls, the
+        routing counts when they are recorded)."""
+        self.sent_outputs += 1
+        if self.sent_outputs % EXPERT_LOAD_EVERY == 0 and self.engine.runner.forward_ctx.expert_load is not None:
+            self.report_expert_load()
         outputs = self.engine.scheduler.take_outputs()
         stats = scheduler_stats(self.engine.scheduler, self.engine.runner)
         if self.dp:
@@ -269,6 +283,8 @@ def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], 
         engine = (make_engine or Engine)(args, local_rank=local_rank)
         with timed(engine.startup, "warm-up generations"):
             _warm_up(engine)
+        if engine.runner.forward_ctx.expert_load is not None:
+            engine.runner.forward_ctx.expert_load.reset()  # the counts start with serving
         _log_startup(rank, entered_after, engine.startup)
     except BaseException as exc:  # noqa: BLE001 - report any startup failure to the server
         msg = str(exc) if isinstance(exc, DsctlError) else traceback.format_exc()

@@ -1,7 +1,7 @@
 """The starlette application: routes, API-key check, JSON errors, engine lifecycle.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health, GET /metrics. With an API key set every route needs it, except
+GET /health, GET /metrics, GET /expert_load (with --record-expert-load). With an API key set every route needs it, except
 /health, which without the key says only `{"status": "ok"}` (200) or
 `{"status": "not ready"}` (503); with the key (or when no key is set) it also
 names the engine's pids, or says why it is not ready. Every error, including
@@ -23,11 +23,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.args import EngineArgs, ServerArgs
-from engine.runtime.client import EngineClient
+from engine.runtime.client import EngineClient, EngineUnavailable
 from engine.server.auth import ApiKeyMiddleware, authorised
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
-from engine.server.errors import APIError, server_error
+from engine.server.errors import APIError, server_error, unavailable
 from engine.server.limits import Limits
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.state import ServerState
@@ -69,6 +69,21 @@ async def models(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     state: ServerState = request.app.state.server
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def expert_load(request: Request) -> Response:
+    """GET /expert_load: the routing counts per MoE layer, per logical expert and per EP rank, since the engine
+    became ready (--record-expert-load); what `dsctl place-experts --load` reads."""
+    state: ServerState = request.app.state.server
+    if not state.client.args.parallel.record_expert_load:
+        raise APIError(404, "routing counts are not recorded: start the server with --record-expert-load",
+                       "not_found_error")
+    state.check_accepting()
+    try:
+        update = await state.client.fetch_expert_load()
+    except (asyncio.TimeoutError, EngineUnavailable) as exc:
+        raise unavailable(f"the engine did not send its routing counts: {exc or 'timed out'}") from None
+    return JSONResponse(update.report.to_json())
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
@@ -121,6 +136,7 @@ def build_app(args: EngineArgs, tokenizer, client: EngineClient | None = None) -
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/expert_load", expert_load, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected})

@@ -8,7 +8,8 @@ accepted length (histogram dsctl_spec_accepted_tokens, gauge dsctl_spec_accept_l
 scheduler's step times by kind (histogram dsctl_step_seconds). With DP attention
 the engine also reports, per DP group (label dp_rank), the requests dispatched to it
 (counter), its running + waiting requests, its KV slots in use and its KV load as
---load-balance-method total_tokens weighs it (gauges).
+--load-balance-method total_tokens weighs it (gauges). With --record-expert-load, the tokens routed to each EP
+rank's experts (counter dsctl_expert_load_tokens, label ep_rank) and their imbalance (gauge).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class _EngineCollector:
         yield CounterMetricFamily("dsctl_retracted_requests", "Requests preempted because decode ran out of KV "
                                   "(requeued and resumed by recompute).", value=float(s.retracted_requests))
         yield from _dp_metrics(s)
+        yield from _expert_metrics(c.expert_load)
         yield from _spec_metrics(s)
         yield from _step_metrics(s)
 
@@ -80,6 +82,23 @@ def _dp_metrics(s):
         used.add_metric([str(rank)], float(held))
         tokens.add_metric([str(rank)], float(weighed))
     yield from (sent, load, used, tokens)
+
+
+def _expert_metrics(update):
+    """--record-expert-load: tokens routed to each EP rank's experts and how uneven that is (the counts of the
+    engine's latest report, engine/model/expert_load.py)."""
+    if update is None or update.report is None:
+        return
+    report = update.report
+    load = CounterMetricFamily("dsctl_expert_load_tokens", "Token-expert assignments routed to each expert-parallel "
+                               "rank's experts, over every MoE layer (one rank without EP).", labels=["ep_rank"])
+    for rank, n in enumerate(report.rank_totals()):
+        load.add_metric([str(rank)], float(n))
+    yield load
+    ratio = GaugeMetricFamily("dsctl_expert_load_imbalance", "Busiest EP rank's routed tokens over the mean rank's, "
+                              "averaged over the MoE layers (1.0: balanced; dsctl place-experts plans better).")
+    ratio.add_metric([], report.imbalance())
+    yield ratio
 
 
 def _step_metrics(s):

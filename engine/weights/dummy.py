@@ -79,11 +79,13 @@ def fill_slice(p: torch.Tensor, name: str, full_shape: Sequence[int], spec: Opti
 
 def fill_dummy(named_params: Iterable[tuple[str, torch.Tensor]], seed: int,
                full_shapes: Optional[Mapping[str, Sequence[int]]] = None, tp: Optional[TPGroup] = None,
-               block: Optional[tuple[int, int]] = None) -> None:
+               block: Optional[tuple[int, int]] = None, placed: Optional[Mapping[str, Sequence[int]]] = None) -> None:
     """Fill every parameter: norms ~1, FP8 weights ~N(0,1) with scales ~0.02, others ~N(0, 0.02).
 
     Under TP give `full_shapes` (each parameter's TP-1 shape, by name), this rank's `tp` group and
-    the FP8 `block` of weights kept FP8: each parameter then gets its rank's slice of the TP-1 values."""
+    the FP8 `block` of weights kept FP8: each parameter then gets its rank's slice of the TP-1 values.
+    placed: under an expert placement, expert parameter name -> the logical expert of each local slot (each
+    slot gets that expert's TP-1 values)."""
     split = tp is not None and tp.size > 1
     if split and full_shapes is None:
         raise ValueError("fill_dummy under TP needs the parameters' full (TP 1) shapes")
@@ -97,6 +99,10 @@ def fill_dummy(named_params: Iterable[tuple[str, torch.Tensor]], seed: int,
             fn = lambda x: 0.004 * (1 + 0.25 * x.abs())  # noqa: E731 - int4 x scale ~ the FP8 weights' spread
             if split:
                 blk = int4_scale_block(full_shapes[weight_name(name)], full)
+        if placed and name in placed:
+            for j, expert in enumerate(placed[name]):
+                fill_slice(p.data[j:j + 1], name, full, SliceSpec(0, expert, 1), seed, fn)
+            continue
         spec = None
         if split:
             wshape = full_shapes[weight_name(name)] if is_scale(name) else None

@@ -22,7 +22,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 from safetensors import safe_open
@@ -171,11 +171,13 @@ def _convert(src: torch.Tensor, scale: Optional[torch.Tensor], dst: torch.Tensor
 
 
 def load_checkpoint(modules: dict[str, torch.nn.Module], ckpt: Path, cfg: ModelConfig, num_layers: int,
-                    block: tuple[int, int], tp: TPGroup) -> None:
+                    block: tuple[int, int], tp: TPGroup, placed: Optional[Mapping[str, Sequence[int]]] = None) -> None:
     """Fill the parameters of modules {"": main model, "mtp.": MTP layer or absent} from ckpt.
 
     block: the checkpoint's FP8 block (and the block plain weights are quantised to for FP8 targets).
-    tp: the TP group the modules were built for (size 1: unsplit); only this rank's slices are read."""
+    tp: the TP group the modules were built for (size 1: unsplit); only this rank's slices are read.
+    placed: under an expert placement, each placed expert parameter's name -> the logical expert of each of its
+    slots (a checkpoint expert then fills every slot that holds it; engine/distributed/expert_placement.py)."""
     wmap = weight_map(ckpt)
     mtp = "mtp." in modules
     params = {prefix + k: v for prefix, mod in modules.items() for k, v in mod.named_parameters()}
@@ -184,14 +186,16 @@ def load_checkpoint(modules: dict[str, torch.nn.Module], ckpt: Path, cfg: ModelC
     for name in wmap:
         if name.endswith("weight_scale_inv"):
             continue  # consumed together with its weight
-        t = _local(hf_to_target(name, cfg, num_layers, mtp), cfg, tp)
-        if t is None or t.name not in params:
+        targets = _local(hf_to_target(name, cfg, num_layers, mtp), cfg, tp, placed or {})
+        if not targets or targets[0].name not in params:
             continue
-        if t.expert is not None and is_int4_param(params[t.name]):  # W4AFP8 experts (engine/weights/w4afp8.py)
-            load_int4_expert(shards, name, t, params, cfg.experts_int4_group, block, filled)
+        if targets[0].expert is not None and is_int4_param(params[targets[0].name]):  # W4AFP8 experts (w4afp8.py)
+            for t in targets:
+                load_int4_expert(shards, name, t, params, cfg.experts_int4_group, block, filled)
             continue
-        src, scale, spec = shards.read(name, t.name, block)
-        _store(params, t, src, scale, block, filled, spec)
+        src, scale, spec = shards.read(name, targets[0].name, block)
+        for t in targets:
+            _store(params, t, src, scale, block, filled, spec)
     _share_mtp_embeddings(modules, filled)
     if cfg.tie_word_embeddings and ("embed_tokens", None, None) in filled:
         modules[""].lm_head = modules[""].embed_tokens
@@ -203,14 +207,19 @@ def load_checkpoint(modules: dict[str, torch.nn.Module], ckpt: Path, cfg: ModelC
         raise CheckpointError("\n  ".join([head, *lines[:50]] + (["..."] if len(lines) > 50 else [])))
 
 
-def _local(t: Optional[Target], cfg: ModelConfig, tp: Optional[TPGroup]) -> Optional[Target]:
-    """EP: the target with its expert renumbered to this rank's local index, or None for another
-    rank's expert (not read at all). Without EP: `t` as it is."""
-    if t is None or t.expert is None or tp is None or tp.ep_size == 1:
-        return t
+def _local(t: Optional[Target], cfg: ModelConfig, tp: Optional[TPGroup],
+           placed: Mapping[str, Sequence[int]]) -> list[Target]:
+    """EP: the target with its expert renumbered to this rank's local slot (under a placement: every local slot
+    holding it), or [] for another rank's expert (not read at all). Without EP: [t]; [] for no target."""
+    if t is None:
+        return []
+    if t.expert is None or tp is None or tp.ep_size == 1:
+        return [t]
+    if t.name in placed:
+        return [Target(t.name, j, t.part) for j, e in enumerate(placed[t.name]) if e == t.expert]
     if expert_owner(t.expert, cfg.n_routed_experts, tp.ep_size) != tp.ep_rank:
-        return None
-    return Target(t.name, t.expert - tp.ep_rank * (cfg.n_routed_experts // tp.ep_size), t.part)
+        return []
+    return [Target(t.name, t.expert - tp.ep_rank * (cfg.n_routed_experts // tp.ep_size), t.part)]
 
 
 def _store(params, t: Target, src, scale, block, filled, spec: Optional[SliceSpec] = None) -> None:

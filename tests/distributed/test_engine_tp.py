@@ -154,6 +154,61 @@ def test_dp_attention_padded_decode_matches_one_process(reference, model, tp, dp
     assert worst <= LOGPROB_ATOL, f"log-probs differ by {worst:.2e}"
 
 
+def _placement_file(path, model: str, ep: int, redundant: int) -> str:
+    """A placement planned from a made-up skewed load for every MoE layer of `model` (the MTP layer's too)."""
+    from engine.checkpoint.config import parse_config
+    from engine.checkpoint.registry import lookup
+    from engine.distributed.expert_placement import plan_placement
+
+    cfg = parse_config(lookup(model).config_dict())
+    layers = [i for i in range(cfg.num_hidden_layers + 1) if cfg.is_moe_layer(i)]
+    load = {i: [1 + (7 * e * e + 3 * i) % 23 for e in range(cfg.n_routed_experts)] for i in layers}
+    plan_placement(load, ep, redundant).save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("model, tp, layout", [
+    ("tiny", 2, dict(EP, enable_dp_attention=True, dp_size=2)), ("tiny", 2, A2A),
+    ("tiny-fp8", 4, dict(A2A, enable_dp_attention=True, dp_size=2)),
+], ids=["ep2-dp2-gather", "tp2-a2a", "ep4-dp2-a2a"])
+def test_redundant_experts_and_routing_counts(reference, tmp_path, model, tp, layout):
+    """Redundant experts from a placement file (a hot expert's picks spread over its copies on different ranks)
+    give one process's tokens, through the gather path under DP attention and the all-to-all exchange, with
+    decodes through padded (CUDA-graph-shaped) batches; and the routing counts the ranks record add up to
+    top_k x the tokens forwarded per MoE layer (the radix cache off: each prompt token forwarded once, then
+    one token per decode step), padding rows and idle groups not counted, each EP rank's share summing to it,
+    and per expert as one process counts them."""
+    import functools
+
+    from engine.runtime.rank_loop import engine_main
+    from tests.distributed.dp_graph_targets import padded_decode_engine
+
+    prompts, ref = reference(model)
+    n = 4 if tp > 2 else 8
+    prompts, ref, params = prompts[:n], ref[:n], _params(n)
+    layout = {k: tp if v is None else v for k, v in layout.items()}
+    flags = dict(FLAGS, disable_radix_cache=True, record_expert_load=True)
+    placement = _placement_file(tmp_path / "placement.json", model, tp, redundant=tp)
+    with RankedEngine(EngineArgs.of(model=model, tp_size=tp, expert_placement=placement, dist_timeout=60, **layout,
+                                    **flags), rank_main=functools.partial(engine_main,
+                                                                          make_engine=padded_decode_engine)) as eng:
+        got = eng.generate(input_ids=prompts, sampling_params=params)
+        report = eng.expert_load()
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    one = Engine(EngineArgs.of(model=model, **flags))
+    one.generate(input_ids=prompts, sampling_params=params)
+    want = one.runner.expert_load_report()
+    top_k = one.config.num_experts_per_tok
+    forwarded = sum(map(len, prompts)) + sum(p.max_new_tokens - 1 for p in params)
+    mtp = one.config.num_hidden_layers
+    assert report.ep_size == tp and set(report.layers) == set(want.layers)
+    for layer, counts in report.layers.items():
+        total = 0 if layer == mtp else top_k * forwarded  # no speculative decoding: the MTP layer idles
+        assert sum(counts.logical) == sum(counts.ranks) == sum(want.layers[layer].logical) == total, layer
+        moved = sum(abs(a - b) for a, b in zip(counts.logical, want.layers[layer].logical))
+        assert moved <= 0.01 * total, (layer, counts.logical, want.layers[layer].logical)
+
+
 def test_mirrored_prefill_cap_and_piecewise_extends(reference):
     """The prefill cap follows measured step times, which differ per rank: here rank 1 sees every step 50x
     slower (its own cap would be the floor while rank 0's is the whole budget), yet both admit the same prompt

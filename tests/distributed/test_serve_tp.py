@@ -1,7 +1,8 @@
 """`dsctl serve --tp 2` on CPU (gloo): the OpenAI API over two engine ranks, and how it fails and stops.
 
-Also DP attention (`--tp 2 --enable-dp-attention --dp 2`): the same greedy completions, 64 concurrent
-streams with no failure, and requests spread over both DP groups (per-group counters in /metrics).
+Also DP attention (`--tp 2 --enable-dp-attention --dp 2`, with EP, redundant experts and routing counts): the
+same greedy completions, 64 concurrent streams with no failure, requests spread over both DP groups (per-group
+counters in /metrics), and the expert load in /metrics and GET /expert_load.
 
 Also the two-node form: two `dsctl serve` launches (--nnodes 2 --node-rank 0|1) on 127.0.0.1
 form one TP-2 world; node 0 serves HTTP, node 1 runs a rank only.
@@ -10,6 +11,7 @@ form one TP-2 world; node 0 serves HTTP, node 1 runs a rank only.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -73,6 +75,7 @@ def test_tp2_server_matches_one_process_and_takes_32_streams(one_process_text):
         pids = srv.get("/health").json()["engine_pids"]
         assert len(pids) == 2
         assert _greedy(srv) == one_process_text
+        assert srv.get("/expert_load").status_code == 404  # counts not recorded: says which flag records them
         results = _streams(srv, 32)
         failures = [r for r in results if isinstance(r, BaseException)]
         assert not failures, failures[:3]
@@ -83,8 +86,15 @@ def test_tp2_server_matches_one_process_and_takes_32_streams(one_process_text):
         srv.stop()
 
 
-def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_text):
-    srv = launch("--device", "cpu", "--tp", "2", "--enable-dp-attention", "--dp", "2")
+def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_text, tmp_path):
+    """With expert parallelism, redundant experts from a placement file and the routing counts recorded: /metrics
+    shows each EP rank's expert load, GET /expert_load the counts per layer and expert, which `dsctl
+    place-experts` turns into a placement again."""
+    from tests.distributed.test_engine_tp import _placement_file
+
+    placement = _placement_file(tmp_path / "placement.json", "tiny", ep=2, redundant=2)
+    srv = launch("--device", "cpu", "--tp", "2", "--enable-dp-attention", "--dp", "2", "--ep", "2",
+                 "--expert-placement", placement, "--record-expert-load")
     try:
         pids = srv.get("/health").json()["engine_pids"]
         assert len(pids) == 2
@@ -101,6 +111,19 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
         used = [m.get(f'dsctl_dp_kv_cache_used_tokens{{dp_rank="{g}"}}', -1) for g in (0, 1)]
         assert all(n > 0 for n in used), used  # each group's prefix cache holds its finished streams
         assert all(f'dsctl_dp_kv_load_tokens{{dp_rank="{g}"}}' in m for g in (0, 1)), sorted(m)
+        load = srv.get("/expert_load").json()
+        assert load["ep_size"] == 2 and set(load["layers"]) == {"1", "2", "3", "4"}
+        routed = [sum(load["layers"][k]["logical"]) for k in ("1", "2", "3")]
+        assert routed[0] > 4 * 64 * 12 * 0.9 and len(set(routed)) == 1, routed  # top-4 x every token forwarded
+        assert all(sum(v["ranks"]) == sum(v["logical"]) for v in load["layers"].values())
+        m = srv.metrics()  # the periodic report (every 64 step outputs) has reached /metrics by now
+        ranks = [m.get(f'dsctl_expert_load_tokens_total{{ep_rank="{r}"}}', 0) for r in (0, 1)]
+        assert all(n > 0 for n in ranks) and m["dsctl_expert_load_imbalance"] >= 1.0, (ranks, sorted(m))
+        (tmp_path / "load.json").write_text(json.dumps(load))
+        out = subprocess.run([sys.executable, "-m", "dsctl", "place-experts", "--load", str(tmp_path / "load.json"),
+                              "--ep", "2", "--redundant", "2", "-o", str(tmp_path / "again.json")],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and (tmp_path / "again.json").is_file(), out.stderr
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=60) == 0, srv.log()
         assert wait_for(lambda: not any(_alive(p) for p in pids), timeout=10), "a rank outlived the server"

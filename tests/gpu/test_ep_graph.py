@@ -8,6 +8,8 @@ graph per rank, with the function torch.compile'd. Replays on new inputs must eq
 ranks' outputs must sum to the unsplit layer's (what the all-reduce does on several GPUs).
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -58,5 +60,62 @@ def test_ep_experts_graph_and_compile_match_eager(alias, block):
             assert ref.abs().max() > 0
             torch.testing.assert_close(out, ref, rtol=0, atol=2e-2 * ref.abs().max().item())
             total[i] += out.float()
+    for got, w in zip(total, want):
+        torch.testing.assert_close(got, w.float(), rtol=0, atol=3e-2 * w.abs().max().item())
+
+
+def _placed_routed(moe, impl, x, load, padded):
+    """A placed EP rank's part of the MoE layer on x, its routed slots counted into `load`."""
+    weights, ids = moe.route(x)
+    ids = moe.to_slots(ids)
+    load.record(1, ids, padded)
+    return impl.experts(moe, x, weights, local_expert_ids(ids, moe.first_expert, moe.num_local_experts))
+
+
+def test_redundant_experts_and_routing_counts_in_a_compiled_graph():
+    """A placement's slot mapping (a hot expert's picks spread over its copies) and the routing counts run inside
+    a torch.compile'd CUDA graph: replays on new inputs equal eager, the ranks' outputs sum to the unsplit
+    layer's, and the counts of the replays (rows past the real count masked) equal eager counting of the real
+    rows."""
+    from engine.distributed.expert_placement import plan_placement
+    from engine.model.expert_load import ExpertLoad
+
+    path, cfg = _checkpoint("tiny-fp8-tp")
+    block, impl, ep, real = (128, 128), TritonMoEBackend(), 2, 11
+    placement = plan_placement({1: [50] + [1] * (cfg.n_routed_experts - 1)}, ep, ep)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    xs = [torch.randn(16, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+    full = build_model(cfg, 2, torch.bfloat16, "cuda", block, checkpoint=path, mtp=False)[0].layers[1].mlp
+    want = [_routed(full, cfg, impl)(x) for x in xs]
+    total = [torch.zeros_like(w, dtype=torch.float32) for w in want]
+    for rank in range(ep):
+        group = TPGroup(rank=rank, size=ep, ranks=tuple(range(ep)), ep_size=ep)
+        moe = build_model(cfg, 2, torch.bfloat16, "cuda", block, group, checkpoint=path, mtp=False,
+                          placement=placement)[0].layers[1].mlp
+        graphed, counted = (ExpertLoad({1: moe.slots}, cfg.n_routed_experts, ep, torch.device("cuda"))
+                            for _ in range(2))
+
+        run = functools.partial(_placed_routed, moe, impl)
+        compiled = torch.compile(functools.partial(run, load=graphed, padded=True), dynamic=False)
+        static = xs[0].clone()
+        graphed.begin_forward(real)
+        for _ in range(2):
+            compiled(static)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = compiled(static)
+        graphed.reset()
+        for i, x in enumerate(xs):
+            static.copy_(x)
+            graphed.begin_forward(real)
+            graph.replay()
+            ref = run(x, load=counted, padded=False)
+            torch.testing.assert_close(out, ref, rtol=0, atol=2e-2 * ref.abs().max().item())
+            total[i] += out.float()
+        counted.reset()
+        for x in xs:
+            run(x[:real], load=counted, padded=False)
+        assert torch.equal(graphed.counts, counted.counts) and graphed.counts.sum() == 3 * real * cfg.num_experts_per_tok
     for got, w in zip(total, want):
         torch.testing.assert_close(got, w.float(), rtol=0, atol=3e-2 * w.abs().max().item())
