@@ -14,7 +14,7 @@ for round in $(seq "$ROUNDS"); do
     for side in before after; do
         tree=$here; [ $side = before ] && tree=$BEFORE
         # shellcheck disable=SC2086
-        (cd "$tree" && PYTHONPATH="$tree" python3 -m dsctl bench one-batch --model "$MODEL" --load-format dummy \
+        (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" python3 -m dsctl bench one-batch --model "$MODEL" --load-format dummy \
             --num-layers "$LAYERS" --batch-size $BATCHES --input-len "$INLEN" --output-len "$OUTLEN" \
             --max-running-requests 128 $EXTRA --result-file "$OUT/$side.jsonl") > "$OUT/$side-$round.log" 2>&1 \
             || { echo "$side round $round failed"; tail -20 "$OUT/$side-$round.log"; }

@@ -15,6 +15,12 @@ Ids come out in descending order of the selection key (choice or score); ties go
 lower expert index. One program handles BLOCK_T tokens x all experts in registers.
 With n_shared > 0 every row gets n_shared more columns: ids E .. E + n_shared - 1 with weight 1 (shared experts
 appended to the routed ones, engine/model/moe.py), written by the same launch.
+
+From the hidden states with FUSED_MIN_T to FUSED_MAX_T rows (small decode batches), the router's logits are
+computed in the same launch (`_router_gate_kernel`): the programs split the experts and the hidden size, each adds its float32
+products (x converted in registers, no TF32) into a slot, and the last program to arrive adds the slots in a
+fixed order and runs the gate: one launch where a decode step ran three (x.float(), the GEMV, the gate). Where
+that does not pay (one row, larger batches; measured) the three launches run.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import split_k
 from kernels.pdl import launch_options, pdl_enter
+from kernels.split_k import arrive
 
 METHODS = {"noaux_tc": 0, "group_limited_greedy": 1, "greedy": 2}
 
@@ -81,20 +89,14 @@ def _argmax_first(v, idx, BIG: tl.constexpr):
 
 
 @triton.jit
-def _moe_gate_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_lt, scaling,
-                     TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                     GROUP_SIZE: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, N_SHARED: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    r_mask = rows < T
-    rows_c = tl.minimum(rows, T - 1).to(tl.int64)
+def _gate_rows(x, rows_c, r_mask, bias_ptr, w_ptr, ids_ptr, E, scaling,
+               TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+               GROUP_SIZE: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
+               HAS_BIAS: tl.constexpr, NORM: tl.constexpr, N_SHARED: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The gate of BLOCK_T rows of float32 logits x [BLOCK_T, BLOCK_E] (-inf past E): weights and ids stored."""
     e = tl.arange(0, BLOCK_E)
     e_ok = (e < E)[None, :]
-    x = tl.load(logits_ptr + rows_c[:, None] * stride_lt + e[None, :], mask=e_ok, other=float("-inf"))
-    x = x.to(tl.float32)
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-x))
     else:
@@ -151,35 +153,144 @@ def _moe_gate_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_lt, scal
     tl.store(ids_ptr + offs, ids.to(ids_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def _moe_gate_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_lt, scaling,
+                     TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                     GROUP_SIZE: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, N_SHARED: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    r_mask = rows < T
+    rows_c = tl.minimum(rows, T - 1).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + rows_c[:, None] * stride_lt + e[None, :], mask=(e < E)[None, :], other=float("-inf"))
+    _gate_rows(x.to(tl.float32), rows_c, r_mask, bias_ptr, w_ptr, ids_ptr, E, scaling, TOP_K, N_GROUP, TOPK_GROUP,
+               GROUP_SIZE, METHOD, SIGMOID, HAS_BIAS, NORM, N_SHARED, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_K)
+
+
+@triton.jit
+def _router_gate_kernel(x_ptr, gw_ptr, ws_ptr, count_ptr, bias_ptr, w_ptr, ids_ptr, T, E, H, stride_xt,
+                        stride_ge, scaling,
+                        TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                        GROUP_SIZE: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, N_SHARED: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_EW: tl.constexpr, BLOCK_H: tl.constexpr,
+                        SPLIT_H: tl.constexpr, PROGRAMS: tl.constexpr, PDL: tl.constexpr = False):
+    """Router logits and the gate in one launch: program (expert block b, hidden part s) adds x[:, part s] .
+    W[b's experts, part s] in float32 (exact products, no TF32) and stores it to its slot of `ws`
+    [SPLIT_H, BLOCK_T, BLOCK_E]; the last program to arrive (kernels/split_k.py's count) adds the parts in order
+    0..SPLIT_H-1 into the logits and runs the gate over all T (<= BLOCK_T) rows."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    b = pid // SPLIT_H
+    part = pid % SPLIT_H
+    rows = tl.arange(0, BLOCK_T)
+    r_mask = rows < T
+    rows_c = tl.minimum(rows, T - 1).to(tl.int64)
+    ex = b * BLOCK_EW + tl.arange(0, BLOCK_EW)
+    ex_ok = ex < E
+    h_per = tl.cdiv(tl.cdiv(H, BLOCK_H), SPLIT_H) * BLOCK_H
+    h_first = part * h_per
+    acc = tl.zeros((BLOCK_T, BLOCK_EW), tl.float32)
+    for h0 in range(h_first, tl.minimum(h_first + h_per, H), BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = h < H
+        xs = tl.load(x_ptr + rows_c[:, None] * stride_xt + h[None, :], mask=r_mask[:, None] & h_ok[None, :],
+                     other=0.0).to(tl.float32)
+        ws = tl.load(gw_ptr + ex[:, None].to(tl.int64) * stride_ge + h[None, :],
+                     mask=ex_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(xs[:, None, :] * ws[None, :, :], axis=2)
+    slot = ws_ptr + part * (BLOCK_T * BLOCK_E) + rows[:, None] * BLOCK_E + (b * BLOCK_EW + tl.arange(0, BLOCK_EW))[None, :]
+    tl.store(slot, acc)
+    if arrive(count_ptr, 0, PROGRAMS):
+        e = tl.arange(0, BLOCK_E)
+        logits = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+        for s in tl.static_range(SPLIT_H):
+            logits += tl.load(ws_ptr + s * (BLOCK_T * BLOCK_E) + rows[:, None] * BLOCK_E + e[None, :],
+                              cache_modifier=".cg")
+        logits = tl.where((e < E)[None, :], logits, float("-inf"))
+        _gate_rows(logits, rows_c, r_mask, bias_ptr, w_ptr, ids_ptr, E, scaling, TOP_K, N_GROUP, TOPK_GROUP,
+                   GROUP_SIZE, METHOD, SIGMOID, HAS_BIAS, NORM, N_SHARED, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_K)
+
+
 def moe_gate(x: torch.Tensor, gate_weight: Optional[torch.Tensor] = None, *, top_k: int,
              method: str = "noaux_tc", n_group: int = 1, topk_group: int = 1,
              correction_bias: Optional[torch.Tensor] = None, norm_topk_prob: bool = True,
              routed_scaling_factor: float = 1.0, scoring_func: Optional[str] = None,
              ids_dtype: torch.dtype = torch.int32, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] (or hidden [T, H] with gate_weight [E, H]; logits in float32)
-    -> (topk_weights [T, top_k + n_shared] float32, topk_ids [T, top_k + n_shared] ids_dtype)."""
+    -> (topk_weights [T, top_k + n_shared] float32, topk_ids [T, top_k + n_shared] ids_dtype).
+    With gate_weight and FUSED_MIN_T to FUSED_MAX_T rows, the logits and the gate run in one launch
+    (`_router_gate_kernel`); otherwise the logits are a float32 matmul first."""
     if method not in METHODS:
         raise ValueError(f"unknown gate method {method!r}; expected one of {sorted(METHODS)}")
-    logits = _logits(x, gate_weight)
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    t, e = logits.shape
+    t = x.shape[0]
+    e = gate_weight.shape[0] if gate_weight is not None else x.shape[1]
     if method == "greedy":
         n_group = topk_group = 1
     if e % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (e // n_group):
         raise ValueError(f"E={e}, n_group={n_group}, topk_group={topk_group}, top_k={top_k} do not fit")
-    weights = torch.empty((t, top_k + n_shared), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((t, top_k + n_shared), dtype=ids_dtype, device=logits.device)
+    weights = torch.empty((t, top_k + n_shared), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, top_k + n_shared), dtype=ids_dtype, device=x.device)
     if t == 0 or top_k + n_shared == 0:
         return weights, ids
     block_e = triton.next_power_of_2(e)
+    gate = dict(TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, GROUP_SIZE=e // n_group,
+                METHOD=METHODS[method], SIGMOID=_scoring(method, scoring_func) == "sigmoid",
+                HAS_BIAS=correction_bias is not None and method == "noaux_tc", NORM=norm_topk_prob and top_k > 1,
+                N_SHARED=n_shared, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(n_group),
+                BLOCK_K=triton.next_power_of_2(top_k + n_shared))
+    if gate_weight is not None and FUSED_MIN_T <= t <= FUSED_MAX_T:
+        router_gate(x, gate_weight, correction_bias, weights, ids, float(routed_scaling_factor), gate)
+        return weights, ids
+    logits = _logits(x, gate_weight)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     block_t = max(1, min(16, 2048 // block_e, triton.next_power_of_2(t)))
     bias = correction_bias if correction_bias is not None else logits
     _moe_gate_kernel[(triton.cdiv(t, block_t),)](
-        logits, bias, weights, ids, t, e, logits.stride(0), float(routed_scaling_factor),
-        TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, GROUP_SIZE=e // n_group,
-        METHOD=METHODS[method], SIGMOID=_scoring(method, scoring_func) == "sigmoid",
-        HAS_BIAS=correction_bias is not None and method == "noaux_tc", NORM=norm_topk_prob and top_k > 1,
-        N_SHARED=n_shared, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(n_group),
-        BLOCK_K=triton.next_power_of_2(top_k + n_shared), num_warps=4, **launch_options())
+        logits, bias, weights, ids, t, e, logits.stride(0), float(routed_scaling_factor), BLOCK_T=block_t,
+        num_warps=ONE_ROW_GATE_WARPS if t == 1 else GATE_WARPS, **gate, **launch_options())
     return weights, ids
+
+
+# Measured on an H200 at V2's and V3's router shapes (docs/perf.md, "The router at decode sizes"): the fused router
+# wins from 2 to 4 rows (0.56-0.80x the three launches); one row is fastest as the three launches with a one-warp
+# gate (its reductions stay inside a warp), larger batches as the three launches with four warps.
+FUSED_MIN_T, FUSED_MAX_T = 2, 4  # rows for which `moe_gate` computes the router logits inside the gate's launch
+ROUTER_BLOCK_EW = 16  # experts per program of the fused router
+ROUTER_TILE_PER_WARP = 2048  # rows x experts x hidden elements a program multiplies per step, per warp (registers)
+GATE_WARPS = 4  # warps of the gate kernel above one row, and of the fused router
+ONE_ROW_GATE_WARPS = 1  # warps of the gate kernel for one row
+
+
+def router_split(blocks: int, h: int, block_h: int, device: torch.device) -> int:
+    """Hidden parts of the fused router: about two programs per SM over the `blocks` expert blocks, each part at
+    least four BLOCK_H steps (at most 2 on CPU, where the interpreter runs every program in turn)."""
+    most = max(1, triton.cdiv(h, 4 * block_h))
+    if device.type != "cuda":
+        return min(2, most)
+    return max(1, min(triton.cdiv(2 * split_k.sm_count(device), blocks), most, 16))
+
+
+def router_gate(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional[torch.Tensor], weights: torch.Tensor,
+                 ids: torch.Tensor, scaling: float, gate: dict) -> None:
+    """The fused router (`_router_gate_kernel`) into weights / ids."""
+    t, h = x.shape
+    e = gate_weight.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    block_t = max(2, triton.next_power_of_2(t))
+    block_ew = min(ROUTER_BLOCK_EW, gate["BLOCK_E"])
+    block_h = max(32, min(256, ROUTER_TILE_PER_WARP * GATE_WARPS // (block_t * block_ew)))
+    blocks = triton.cdiv(e, block_ew)
+    parts = router_split(blocks, h, block_h, x.device)
+    programs = blocks * parts
+    ws = torch.empty(parts * block_t * gate["BLOCK_E"], dtype=torch.float32, device=x.device)
+    _router_gate_kernel[(programs,)](
+        x, gate_weight, ws, split_k.arrivals(x.device), bias if bias is not None else gate_weight, weights, ids,
+        t, e, h, x.stride(0), gate_weight.stride(0), scaling, BLOCK_T=block_t, BLOCK_EW=block_ew,
+        BLOCK_H=block_h, SPLIT_H=parts, PROGRAMS=programs, num_warps=GATE_WARPS, **gate, **launch_options())

@@ -23,7 +23,7 @@ _arrival_counts: dict = {}  # device -> int32 zeros, COUNT_SLOTS of them; each l
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -37,7 +37,7 @@ def split_k_for(tiles: int, k_blocks: int, device: torch.device, cfg: dict) -> i
         return max(1, min(int(cfg["SPLIT_K"]), k_blocks))
     if device.type != "cuda":
         return 1
-    want = triton.cdiv(SPLIT_K_PROGRAMS_PER_SM * _sm_count(device), max(tiles, 1))
+    want = triton.cdiv(SPLIT_K_PROGRAMS_PER_SM * sm_count(device), max(tiles, 1))
     return max(1, min(want, k_blocks // SPLIT_K_MIN_BLOCKS))
 
 

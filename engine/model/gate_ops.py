@@ -1,8 +1,10 @@
-"""MoE router top-k (router logits [T, E] float32 -> weights [T, k] float32, ids [T, k] int32; with n_shared,
-k + n_shared columns, the last ones the shared experts E.. at weight 1): the
+"""MoE router (hidden states [T, H] and the router weight [E, H], or logits [T, E] float32 with weight None ->
+weights [T, k] float32, ids [T, k] int32; with n_shared, k + n_shared columns, the last ones the shared experts
+E.. at weight 1): the
 implementations the kernel registry (engine/model/kernel_registry.py, op "moe_gate") chooses from:
-the fused Triton gate and its pure-torch reference (kernels/moe_gate.py). Both read the gate method
-and its parameters from the model config and are opaque to torch.compile.
+the fused Triton gate (at decode sizes the logits in the same launch) and its pure-torch reference
+(kernels/moe_gate.py: float32 logits, then the gate). Both read the gate method and its parameters from the
+model config and are opaque to torch.compile.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ def _options(cfg: ModelConfig, bias: Optional[torch.Tensor]) -> dict:
 
 
 @torch.compiler.disable
-def triton_gate(logits: torch.Tensor, cfg: ModelConfig, bias: Optional[torch.Tensor],
+def triton_gate(x: torch.Tensor, weight: Optional[torch.Tensor], cfg: ModelConfig, bias: Optional[torch.Tensor],
                 n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    return moe_gate(logits, **_options(cfg, bias), n_shared=n_shared)
+    return moe_gate(x, weight, **_options(cfg, bias), n_shared=n_shared)
 
 
 @torch.compiler.disable
-def torch_gate(logits: torch.Tensor, cfg: ModelConfig, bias: Optional[torch.Tensor],
+def torch_gate(x: torch.Tensor, weight: Optional[torch.Tensor], cfg: ModelConfig, bias: Optional[torch.Tensor],
                n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    return moe_gate_ref(logits, **_options(cfg, bias), n_shared=n_shared)
+    return moe_gate_ref(x, weight, **_options(cfg, bias), n_shared=n_shared)

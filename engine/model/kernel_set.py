@@ -33,7 +33,9 @@ from engine.model import fp8_ops, gate_ops, norm_ops
 Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]], torch.Tensor]  # x, w, scale, block
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # x, weight, eps
 # router logits, config, correction bias, shared experts appended -> (weights, expert ids)
-Gate = Callable[[torch.Tensor, ModelConfig, Optional[torch.Tensor], int], tuple[torch.Tensor, torch.Tensor]]
+# (hidden [T, H], router weight [E, H]; or logits [T, E], None), config, correction bias, n_shared -> (weights, ids)
+Gate = Callable[[torch.Tensor, Optional[torch.Tensor], ModelConfig, Optional[torch.Tensor], int],
+                tuple[torch.Tensor, torch.Tensor]]
 AllReduce = Callable[[torch.Tensor, TPGroup], torch.Tensor]  # sum over the group (identity at size 1)
 # x, weight, eps, group -> (q e4m3, group scales), or None where it does not run (then norm and GEMM apart)
 NormQuant = Callable[[torch.Tensor, torch.Tensor, float, int], Optional[tuple[torch.Tensor, torch.Tensor]]]
@@ -56,7 +58,7 @@ RopeCache = Callable[..., Optional[tuple[torch.Tensor, torch.Tensor, torch.Tenso
 class Kernels:
     gemm: Gemm  # block-FP8 linear: y = x @ dequant(w).T
     rms_norm: Norm
-    moe_gate: Gate  # router logits -> (weights, expert ids)
+    moe_gate: Gate  # router: hidden states and router weight (or logits) -> (weights, expert ids)
     all_reduce: AllReduce
     norm_quant: Optional[NormQuant] = None  # None: an RMSNorm before a block-FP8 GEMM runs apart from it
     gemm_q: Optional[GemmQ] = None  # the `gemm` of a quantised activation (set with norm_quant or act_quant)

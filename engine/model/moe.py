@@ -56,7 +56,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint.config import ModelConfig
@@ -86,9 +85,9 @@ def replica_tables(slots: Sequence[int], num_experts: int) -> tuple[torch.Tensor
 def select_experts(logits: torch.Tensor, cfg: ModelConfig, bias: Optional[torch.Tensor],
                    gate: Gate = torch_gate, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] (float32) -> (weights [T, k] float32, ids [T, k] int32), by `gate`
-    (engine/model/gate_ops.py; a MoE layer passes its `kernels.moe_gate`); with n_shared, k + n_shared columns,
-    the last ones the shared experts E, E + 1, ... at weight 1 (written by the same launch)."""
-    return gate(logits, cfg, bias, n_shared)
+    (engine/model/gate_ops.py); with n_shared, k + n_shared columns, the last ones the shared experts E, E + 1,
+    ... at weight 1 (written by the same launch). A MoE layer routes from its hidden states (`MoE.route`)."""
+    return gate(logits, None, cfg, bias, n_shared)
 
 
 class MoE(nn.Module):
@@ -200,11 +199,10 @@ class MoE(nn.Module):
             torch.cuda.empty_cache()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, global expert ids [T, k] int32) of the replicated router; with the shared
-        experts fused, k + S columns (every token also takes experts E .. E + S - 1 at weight 1)."""
-        logits = F.linear(x.float(), self.gate_weight)
-        return select_experts(logits, self.cfg, self.e_score_correction_bias, self.kernels.moe_gate,
-                              self.fused_shared)
+        """(weights [T, k] float32, global expert ids [T, k] int32) of the replicated router (float32 logits of
+        x and the float32 router weight, then the gate: `kernels.moe_gate`, one launch at decode sizes); with the
+        shared experts fused, k + S columns (every token also takes experts E .. E + S - 1 at weight 1)."""
+        return self.kernels.moe_gate(x, self.gate_weight, self.cfg, self.e_score_correction_bias, self.fused_shared)
 
     def local_experts(self) -> tuple[int, ...]:
         """The logical expert each of this rank's expert slots holds (what the loader fills them with)."""

@@ -94,7 +94,7 @@ def test_per_group_kv_reaches_metrics_text():
                           kv_free_tokens=rng.randint(0, 2000), kv_evictable_tokens=rng.randint(0, 500),
                           waiting_tokens=rng.randint(0, 3000)) for _ in range(3)]
     merged = DPController(3).merge_stats(groups)
-    text = ServerMetrics(SimpleNamespace(stats=merged, healthy=True, pending={})).render().decode()
+    text = ServerMetrics(SimpleNamespace(stats=merged, healthy=True, pending={}, expert_load=None)).render().decode()
     for g, s in enumerate(groups):
         used = s.kv_total_tokens - s.kv_free_tokens
         assert f'dsctl_dp_kv_cache_used_tokens{{dp_rank="{g}"}} {float(used)}' in text

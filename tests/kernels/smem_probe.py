@@ -125,6 +125,17 @@ def moe_gate_bytes(n_shared: int) -> int:
     return _compile_sm90(moe_gate._moe_gate_kernel, sig, cons, num_warps=4)
 
 
+def router_gate_bytes(block_t: int) -> int:
+    """kernels/moe_gate.py's fused router (logits and gate in one launch) at V3's shape: 256 experts, hidden 7168,
+    noaux_tc, block_t rows (the smallest and the largest fused batch)."""
+    sig = dict(x_ptr="*bf16", gw_ptr="*fp32", ws_ptr="*fp32", count_ptr="*i32", bias_ptr="*fp32", w_ptr="*fp32",
+               ids_ptr="*i32", T="i32", E="i32", H="i32", stride_xt="i32", stride_ge="i32", scaling="fp32")
+    cons = dict(TOP_K=8, N_GROUP=8, TOPK_GROUP=4, GROUP_SIZE=32, METHOD=0, SIGMOID=True, HAS_BIAS=True, NORM=True,
+                N_SHARED=0, BLOCK_T=block_t, BLOCK_E=256, BLOCK_G=8, BLOCK_K=8, BLOCK_EW=16,
+                BLOCK_H=max(32, min(256, moe_gate.ROUTER_TILE_PER_WARP * 4 // (block_t * 16))), SPLIT_H=8, PROGRAMS=128)
+    return _compile_sm90(moe_gate._router_gate_kernel, sig, cons, num_warps=4)
+
+
 def decode_bytes(rows: int, dtype: torch.dtype) -> int:
     cfg = mla_decode.default_config(rows, dtype)
     ptr, compute = _TL[dtype]
@@ -171,6 +182,8 @@ def main() -> None:
         out[f"block_fp8_gemm split {split_k}{' quant' if quant_a else ''}"] = block_gemm_bytes(split_k, quant_a)
     for n_shared in (0, 1):
         out[f"moe_gate shared {n_shared}"] = moe_gate_bytes(n_shared)
+    for block_t in (2, 4):
+        out[f"router_gate rows {block_t}"] = router_gate_bytes(block_t)
     for split_k, gated in ((1, True), (4, True), (4, False)):
         out[f"moe_gemm split {split_k}{' gated' if gated else ''}"] = moe_gemm_bytes(split_k, gated)
     print(json.dumps(out))

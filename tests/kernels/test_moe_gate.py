@@ -8,6 +8,7 @@ import torch
 from engine.model.gate_ops import torch_gate, triton_gate
 from engine.model.moe import select_experts
 from kernels.moe_gate import moe_gate, moe_gate_ref
+from kernels.moe_gate import router_gate as fused_router
 
 # (name, E, n_group, topk_group, top_k, norm, scaling): DeepSeek-V3-like (scaled down), V2, V2-Lite
 CASES = {
@@ -99,6 +100,7 @@ def test_noaux_tc_respects_groups_and_bias():
 
 
 def test_gate_from_hidden_odd_experts_and_empty():
+    """E = 20 experts (not a power of two, nor a whole number of the fused router's 16-expert blocks)."""
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(6, 48, generator=g).bfloat16().to(DEV)
     gate_w = torch.randn(20, 48, generator=g).bfloat16().to(DEV)  # E = 20: not a power of two
@@ -113,3 +115,29 @@ def test_gate_from_hidden_odd_experts_and_empty():
         moe_gate(torch.randn(2, 20, device=DEV), top_k=3, method="noaux_tc", n_group=3, topk_group=1)
     with pytest.raises(ValueError):
         moe_gate(torch.randn(2, 20, device=DEV), top_k=3, method="sparsemax")
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 5])
+@pytest.mark.parametrize("method", list(CASES))
+def test_router_from_hidden_in_one_launch(method, t, monkeypatch):
+    """From the hidden states and a float32 router weight: from FUSED_MIN_T to FUSED_MAX_T rows the logits are
+    computed inside the gate's launch (programs over experts x hidden parts, the last to arrive adds the parts
+    and gates), otherwise by a matmul first; both equal the reference (float32 logits, then the gate), shared
+    columns included, and the arrival count is back to 0 for the next launch."""
+    import kernels.moe_gate as mg
+    from kernels import split_k
+
+    fused = []
+    monkeypatch.setattr(mg, "router_gate", lambda *a: fused.append(1) or fused_router(*a))
+    e, kw = _kwargs(method)
+    g = torch.Generator().manual_seed(7 * t + e)
+    hidden = torch.randn(t, 640, generator=g).bfloat16().to(DEV)  # 5 steps of 128: parts of unequal length
+    gate_w = (torch.randn(e, 640, generator=g) * 0.05).to(DEV)
+    bias = (torch.randn(e, generator=g) * 0.3).to(DEV) if method == "noaux_tc" else None
+    for n_shared in (0, 1):
+        weights, ids = moe_gate(hidden, gate_w, correction_bias=bias, n_shared=n_shared, **kw)
+        w_ref, i_ref = moe_gate_ref(hidden, gate_w, correction_bias=bias, n_shared=n_shared, **kw)
+        assert torch.equal(ids, i_ref), (t, n_shared)
+        torch.testing.assert_close(weights, w_ref, rtol=1e-5, atol=1e-6)
+    assert int(split_k.arrivals(hidden.device)[0]) == 0
+    assert len(fused) == (2 if mg.FUSED_MIN_T <= t <= mg.FUSED_MAX_T else 0)

@@ -18,7 +18,7 @@ def test_split_k_choice(monkeypatch):
     assert sk.split_k_for(10, 56, cpu, {"SPLIT_K": 3}) == 3 and sk.split_k_for(10, 2, cpu, {"SPLIT_K": 3}) == 2
     assert sk.split_k_for(10, 56, cpu, {}) == 1
     assert sk.split_k_for(sk.COUNT_SLOTS + 1, 56, cpu, {"SPLIT_K": 3}) == 1
-    monkeypatch.setattr(sk, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(sk, "sm_count", lambda device: 132)
     assert sk.split_k_for(66, 56, gpu, {}) == 4  # q_a + kv_a at TP 1, 32-wide tiles
     assert sk.split_k_for(33, 40, gpu, {}) == 8  # the same at V2's hidden 5120, 64-wide tiles
     assert sk.split_k_for(33, 12, gpu, {}) == 3  # short K: at least 4 blocks a part

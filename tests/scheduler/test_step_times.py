@@ -44,7 +44,7 @@ def test_engine_records_every_step_kind_and_metrics_export_them():
     assert counts["extend"] + counts["mixed"] == c["extend_steps"]
     assert all(total > 0 for _, total in steps.values())
     stats = scheduler_stats(sched, eng.runner)
-    text = ServerMetrics(SimpleNamespace(stats=stats, healthy=True, pending={})).render().decode()
+    text = ServerMetrics(SimpleNamespace(stats=stats, healthy=True, pending={}, expert_load=None)).render().decode()
     assert f'dsctl_step_seconds_count{{kind="decode"}} {float(counts["decode"])}' in text
     assert 'dsctl_step_seconds_bucket{kind="mixed",le="+Inf"}' in text
 
@@ -58,7 +58,7 @@ def test_step_times_script_reads_the_window_between_two_scrapes():
 
     def scrape():
         stats = EngineStats(step_seconds=t.as_dict())
-        return ServerMetrics(SimpleNamespace(stats=stats, healthy=True, pending={})).render().decode()
+        return ServerMetrics(SimpleNamespace(stats=stats, healthy=True, pending={}, expert_load=None)).render().decode()
 
     before = scrape()
     for _ in range(99):

@@ -18,7 +18,7 @@ def test_stats_reach_engine_stats_and_metrics_text():
     stats = scheduler_stats(eng.scheduler, eng.runner)
     hist = stats.spec_accept_hist
     assert len(hist) == SPEC["speculative_num_steps"] + 1 and sum(hist) >= 2
-    client = SimpleNamespace(stats=stats, healthy=True, pending={})
+    client = SimpleNamespace(stats=stats, healthy=True, pending={}, expert_load=None)
     text = ServerMetrics(client).render().decode()
     assert f"dsctl_spec_accepted_tokens_count {float(sum(hist))}" in text
     tokens = sum((i + 1) * c for i, c in enumerate(hist))
@@ -32,14 +32,14 @@ def test_plain_steps_reach_metrics_text():
                                                                                         temperature=0))
     stats = scheduler_stats(eng.scheduler, eng.runner)
     assert stats.spec_plain_steps >= 4
-    text = ServerMetrics(SimpleNamespace(stats=stats, healthy=True, pending={})).render().decode()
+    text = ServerMetrics(SimpleNamespace(stats=stats, healthy=True, pending={}, expert_load=None)).render().decode()
     assert f"dsctl_spec_plain_steps_total {float(stats.spec_plain_steps)}" in text
 
 
 def test_no_spec_series_without_speculation():
     eng = Engine(model="tiny", **FLAGS)
     stats = scheduler_stats(eng.scheduler, eng.runner)
-    text = ServerMetrics(SimpleNamespace(stats=stats, healthy=True, pending={})).render().decode()
+    text = ServerMetrics(SimpleNamespace(stats=stats, healthy=True, pending={}, expert_load=None)).render().decode()
     assert "dsctl_spec" not in text
 
 
