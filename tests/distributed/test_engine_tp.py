@@ -73,14 +73,14 @@ DPA = dict(enable_dp_attention=True)
 # at TP 4 (attention TP 2 inside each of 2 groups) runs in the padded-decode test below (eager extends, padded
 # decodes).
 # ("tiny", 2) runs with --all-reduce-backend custom: on CPU it must fall back to gloo (same tokens).
-# --moe-a2a-backend torch (EP by all-to-all): at TP 4 on the FP8 model (its tokens split over the 4 ranks of
-# one attention group, variable counts per rank); at TP 2, with and without DP attention, in the padded-decode
-# test below (eager extends: the variable mode; graph-shaped decodes: the fixed one).
+# --moe-a2a-backend torch (EP by all-to-all): at TP 2 with DP attention in the padded-decode test below (eager
+# extends: the variable mode; graph-shaped decodes: the fixed one), and at TP 2 without DP attention and at TP 4
+# (its tokens split over the 2 ranks of each attention group, variable counts per rank) with redundant experts in
+# test_redundant_experts_and_routing_counts, which also runs DP attention + EP by gather.
 @pytest.mark.parametrize("model, tp, layout", [
     ("tiny", 2, dict(all_reduce_backend="custom")), ("tiny-fp8", 2, {}), ("tiny-fp8", 4, {}),
-    ("tiny", 2, EP), ("tiny-fp8", 2, EP), ("tiny-fp8", 4, dict(EP, moe_a2a_backend="torch")),
+    ("tiny", 2, EP), ("tiny-fp8", 2, EP),
     ("tiny", 2, dict(DPA, dp_size=2)), ("tiny-fp8", 2, dict(DPA, dp_size=2)),
-    ("tiny", 2, dict(DPA, dp_size=2, **EP)),
 ], ids=lambda v: "-".join(k for k in ("ep_size", "dp_size", "moe_a2a_backend", "all_reduce_backend") if k in v)
    or "tp"
    if isinstance(v, dict) else None)
@@ -124,15 +124,16 @@ def test_dp_attention_uneven_load_and_kv_capacity(reference):
 A2A = dict(ep_size=None, moe_a2a_backend="torch")
 
 
-@pytest.mark.parametrize("model, tp, dp, layout", [("tiny", 2, 2, A2A), ("tiny-fp8", 4, 2, {}), ("tiny", 2, 0, A2A)],
-                         ids=["dp2-a2a", "dp2-tp4", "tp2-a2a"])
+@pytest.mark.parametrize("model, tp, dp, layout", [("tiny", 2, 2, A2A), ("tiny-fp8", 4, 2, {})],
+                         ids=["dp2-a2a", "dp2-tp4"])
 def test_dp_attention_padded_decode_matches_one_process(reference, model, tp, dp, layout):
     """Decode through padded static batches as CUDA graphs run them (capture=False on CPU): the DP groups
     agree on one padded size per step (a group with fewer requests pads; an idle group replays padding
     rows only), and extends stay eager. Same greedy tokens as one process, with one group loaded alone (at
     TP 2; TP 4's four ranks on CI's two cores make each phase slow) and with both loaded. With
-    --moe-a2a-backend torch the graph-shaped forwards run the exchange's fixed-size mode (dp 0: plain TP, each
-    rank exchanging its padded share of the batch) and the eager ones its variable mode."""
+    --moe-a2a-backend torch the graph-shaped forwards run the exchange's fixed-size mode and the eager ones its
+    variable mode (plain TP with the exchange, each rank exchanging its padded share of the batch, runs in
+    test_redundant_experts_and_routing_counts)."""
     import functools
 
     from engine.runtime.rank_loop import engine_main
@@ -141,12 +142,12 @@ def test_dp_attention_padded_decode_matches_one_process(reference, model, tp, dp
     prompts, ref = reference(model)
     main = functools.partial(engine_main, make_engine=padded_decode_engine)
     layout = {k: tp if v is None else v for k, v in layout.items()}
-    dpa = dict(enable_dp_attention=True, dp_size=dp) if dp else {}
+    dpa = dict(enable_dp_attention=True, dp_size=dp)
     n = 4 if tp > 2 else 8 if layout else len(prompts)  # all-to-all: half the prompts, TP 4 a quarter (CI time)
     prompts, ref = prompts[:n], ref[:n]
     with RankedEngine(EngineArgs.of(model=model, tp_size=tp, **dpa, **layout, dist_timeout=60, **FLAGS),
                       rank_main=main) as eng:
-        if tp == 2 and dp:
+        if tp == 2:
             got = eng.generate(input_ids=prompts[:5], sampling_params=_params(5), dp_rank=1)
             assert [o.token_ids for o in got] == [o.token_ids for o in ref[:5]]
         got = eng.generate(input_ids=prompts, sampling_params=_params(len(prompts)))

@@ -90,6 +90,9 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
     """With expert parallelism, redundant experts from a placement file and the routing counts recorded: /metrics
     shows each EP rank's expert load, GET /expert_load the counts per layer and expert, which `dsctl
     place-experts` turns into a placement again."""
+    from typer.testing import CliRunner
+
+    from dsctl.cli import app
     from tests.distributed.test_engine_tp import _placement_file
 
     placement = _placement_file(tmp_path / "placement.json", "tiny", ep=2, redundant=2)
@@ -120,10 +123,9 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
         ranks = [m.get(f'dsctl_expert_load_tokens_total{{ep_rank="{r}"}}', 0) for r in (0, 1)]
         assert all(n > 0 for n in ranks) and m["dsctl_expert_load_imbalance"] >= 1.0, (ranks, sorted(m))
         (tmp_path / "load.json").write_text(json.dumps(load))
-        out = subprocess.run([sys.executable, "-m", "dsctl", "place-experts", "--load", str(tmp_path / "load.json"),
-                              "--ep", "2", "--redundant", "2", "-o", str(tmp_path / "again.json")],
-                             capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0 and (tmp_path / "again.json").is_file(), out.stderr
+        out = CliRunner().invoke(app, ["place-experts", "--load", str(tmp_path / "load.json"), "--ep", "2",
+                                       "--redundant", "2", "-o", str(tmp_path / "again.json")])
+        assert out.exit_code == 0 and (tmp_path / "again.json").is_file(), out.output
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=60) == 0, srv.log()
         assert wait_for(lambda: not any(_alive(p) for p in pids), timeout=10), "a rank outlived the server"
