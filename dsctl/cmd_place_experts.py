@@ -23,11 +23,6 @@ from rich.table import Table
 from engine.errors import UsageError
 
 
-def _ratio(loads: list[float]) -> float:
-    total = sum(loads)
-    return max(loads) * len(loads) / total if total else 1.0
-
-
 def _read_load(path: Path) -> dict[int, list[int]]:
     try:
         data = json.loads(path.read_text())
@@ -49,10 +44,8 @@ def place_experts(
     output: Path = typer.Option(..., "--output", "-o", help="Placement file to write (--expert-placement)."),
 ) -> None:
     """Plan the routed experts' placement over EP ranks from recorded routing counts."""
-    from engine.distributed.expert_placement import (  # lazy: imports torch; keeps dsctl --help fast
-        expected_rank_loads,
-        plan_placement,
-    )
+    # lazy: the placement module and the model config it reads (dataclasses); keeps dsctl --help fast
+    from engine.distributed.expert_placement import expected_rank_loads, imbalance, plan_placement
 
     if ep < 2:
         raise UsageError("--ep must be at least 2: a placement spreads experts over expert-parallel ranks")
@@ -68,8 +61,8 @@ def place_experts(
     for layer, load_e in sorted(counts.items()):
         plain = expected_rank_loads(tuple(range(num)), load_e, ep)
         planned = expected_rank_loads(placement.slots(layer), load_e, ep)
-        before.append(_ratio(plain))
-        after.append(_ratio(planned))
+        before.append(imbalance(plain))
+        after.append(imbalance(planned))
         table.add_row(str(layer), str(sum(load_e)), f"{before[-1]:.3f}", f"{after[-1]:.3f}")
     console = Console()
     console.print(table)

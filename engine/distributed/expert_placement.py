@@ -116,10 +116,6 @@ def _ranges(layers: Sequence[int]) -> str:
     return f"{layers[0]}..{layers[-1]}" if layers else "none"
 
 
-def identity_slots(num_experts: int) -> tuple[int, ...]:
-    return tuple(range(num_experts))
-
-
 def plan_layer(load: Sequence[float], ep_size: int, redundant: int) -> tuple[int, ...]:
     """One layer's slots for per-expert `load` (token counts) over ep_size ranks with `redundant` extra copies.
     Each expert keeps at least one slot and at most one per rank."""
@@ -159,6 +155,12 @@ def rank_loads(slots: Sequence[int], slot_load: Sequence[float], ep_size: int) -
     """Per-rank sums of per-slot loads."""
     per = len(slots) // ep_size
     return [sum(slot_load[r * per:(r + 1) * per]) for r in range(ep_size)]
+
+
+def imbalance(loads: Sequence[float]) -> float:
+    """The busiest rank's load over the mean rank's (1.0: balanced, or nothing routed)."""
+    total = sum(loads)
+    return max(loads) * len(loads) / total if total else 1.0
 
 
 def expected_rank_loads(slots: Sequence[int], load: Sequence[float], ep_size: int) -> list[float]:

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.distributed import comm
-from engine.distributed.expert_placement import rank_loads
+from engine.distributed.expert_placement import imbalance, rank_loads
 from engine.distributed.groups import TPGroup
 
 
@@ -49,7 +49,7 @@ class ExpertLoadReport:
 
     def imbalance(self) -> float:
         """Mean over layers of the busiest rank's load over the mean rank's (1.0: balanced; 0 before any)."""
-        ratios = [max(v.ranks) * len(v.ranks) / sum(v.ranks) for v in self.layers.values() if sum(v.ranks)]
+        ratios = [imbalance(v.ranks) for v in self.layers.values() if sum(v.ranks)]
         return sum(ratios) / len(ratios) if ratios else 0.0
 
 
