@@ -150,12 +150,16 @@ class EngineClient:
         return rid
 
     async def fetch_expert_load(self, timeout: float = 30.0) -> ExpertLoadUpdate:
-        """Ask the ranks for their routing counts now and wait for them (they answer between steps)."""
+        """Ask the ranks for their routing counts now and wait for them (they answer between steps). Requests
+        that arrive while one is pending wait for the same answer: each ask is a collective over every rank
+        between two steps, so a burst of requests costs the engine one."""
         if not self.healthy:
             raise EngineUnavailable("the engine is not serving")
+        self._load_waiters = [w for w in self._load_waiters if not w.done()]  # timed out ones are done
+        if not self._load_waiters:
+            self._outq.put(ReportExpertLoad())
         waiter = self._loop.create_future()
         self._load_waiters.append(waiter)
-        self._outq.put(ReportExpertLoad())
         return await asyncio.wait_for(waiter, timeout)
 
     def abort(self, rid: str) -> None:

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 
+import httpx
 import pytest
 
 from tests.server.conftest import free_port, launch, wait_for
@@ -114,6 +115,12 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
         used = [m.get(f'dsctl_dp_kv_cache_used_tokens{{dp_rank="{g}"}}', -1) for g in (0, 1)]
         assert all(n > 0 for n in used), used  # each group's prefix cache holds its finished streams
         assert all(f'dsctl_dp_kv_load_tokens{{dp_rank="{g}"}}' in m for g in (0, 1)), sorted(m)
+        async def burst():  # 32 at once: one collective answers them (the client coalesces), all get it
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+                return await asyncio.gather(*(http.get("/expert_load") for _ in range(32)))
+
+        answers = asyncio.run(burst())
+        assert [r.status_code for r in answers] == [200] * 32
         load = srv.get("/expert_load").json()
         assert load["ep_size"] == 2 and set(load["layers"]) == {"1", "2", "3", "4"}
         routed = [sum(load["layers"][k]["logical"]) for k in ("1", "2", "3")]
