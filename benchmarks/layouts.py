@@ -1,7 +1,8 @@
 """Parallel layouts by short name for the multi-GPU benchmarks: tp<N>[-dp<D>][-ep<N>].
 
     tp1, tp2 (tensor parallel), tp2-dp2 (+ DP attention, 2 groups), tp2-ep2 (+ expert parallel MoE),
-    tp2-ep2-a2a (expert parallel by all-to-all: --moe-a2a-backend torch)
+    tp2-ep2-a2a (expert parallel by all-to-all: --moe-a2a-backend torch), a `tbo` part for two-batch overlap
+    (`tbo<N>`: from N tokens, --two-batch-overlap-min-tokens; e.g. tp2-dp2-ep2-a2a-tbo, tp2-ep2-tbo2)
 
 `engine_flags(name)` gives EngineArgs field values, `cli_flags(name)` the `dsctl` options,
 `split(name)` the (tp, dp) that the per-GPU bytes floor (engine/distributed/step_floor.py) takes.
@@ -19,6 +20,11 @@ def engine_flags(name: str) -> dict:
         if part == "a2a":  # expert parallel by all-to-all (with an ep part)
             flags["moe_a2a_backend"] = "torch"
             continue
+        if part.startswith("tbo") and (part == "tbo" or part[3:].isdigit()):
+            flags["enable_two_batch_overlap"] = True
+            if part[3:]:
+                flags["two_batch_overlap_min_tokens"] = int(part[3:])
+            continue
         kind, n = part[:2], part[2:]
         if not n.isdigit() or kind not in ("tp", "dp", "ep"):
             raise ValueError(f"bad layout part {part!r} in {name!r} (use e.g. tp2, tp2-dp2, tp2-ep2, tp2-ep2-a2a)")
@@ -34,7 +40,7 @@ def engine_flags(name: str) -> dict:
 def cli_flags(name: str) -> list[str]:
     out = []
     for key, value in engine_flags(name).items():
-        flag = "--" + key.replace("_size", "").replace("_", "-")
+        flag = "--" + (key if key.startswith("two_batch") else key.replace("_size", "")).replace("_", "-")
         out += [flag] if value is True else [flag, str(value)]
     return out
 

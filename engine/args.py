@@ -415,6 +415,15 @@ class ParallelArgs:
         "kernels per MoE layer and step): /metrics shows each EP rank's expert load, GET /expert_load the counts "
         "per layer and expert (what dsctl place-experts reads).",
     )
+    enable_two_batch_overlap: bool = flag(
+        False, "Two-batch overlap: run each large enough forward as two micro-batches, so that one's collectives "
+        "(DP attention's gather, the MoE's all-reduce or all-to-all) run while the other computes. Each "
+        "micro-batch reads the weights again: it pays at large batches on several GPUs (docs/parallelism.md).",
+    )
+    two_batch_overlap_min_tokens: int = flag(
+        1024, "Two-batch overlap: the fewest tokens (over every DP group) a forward must hold to be split (decode "
+        "batches below it: splitting one reads the weights twice, 1.2-1.6x its step on 2 x H200, docs/perf.md).",
+    )
     nnodes: int = flag(1, "Nodes in the job; node 0 serves HTTP, the others run engine ranks only.")
     node_rank: int = flag(0, "This node's index, 0..--nnodes-1.")
     dist_init_addr: Optional[str] = flag(
@@ -438,6 +447,12 @@ class ParallelArgs:
     def validate(self, device: str = "auto") -> None:
         _check_choices(self)
         self.config().validate(device_type="cuda" if device == "cuda" else "cpu")
+        if self.enable_two_batch_overlap and self.tp_size == 1:
+            raise UsageError("--enable-two-batch-overlap hides the collectives between GPUs behind compute, and "
+                             "--tp 1 has none: drop it, or use --tp 2 or more")
+        if self.two_batch_overlap_min_tokens < 2:
+            raise UsageError(f"--two-batch-overlap-min-tokens must be >= 2 (got {self.two_batch_overlap_min_tokens}): "
+                             "a split forward has a token in each micro-batch")
         if self.expert_placement is not None and self.config().ep_size <= 1:
             raise UsageError("--expert-placement places experts over expert-parallel ranks: add --ep-size equal to "
                              "--tp (or --enable-ep-moe), or drop it")
@@ -643,6 +658,11 @@ class EngineArgs:
         if self.kernels.disable_mla and self.speculative.enabled:
             raise UsageError("--disable-mla is an ablation of plain decoding, not built or tested with draft "
                              "trees: drop --speculative-algorithm or --disable-mla")
+        if self.parallel.enable_two_batch_overlap and (self.kernels.attention == "flashinfer" or self.kernels.disable_mla):
+            which = "--disable-mla" if self.kernels.disable_mla else "the FlashInfer attention backend"
+            raise UsageError(f"--enable-two-batch-overlap plans each micro-batch's attention on its own, which "
+                             f"{which} does not support: use --attention-backend triton (with MLA), or drop "
+                             "--enable-two-batch-overlap")
         if self.scheduler.schedule_policy == "lpm" and self.cache.disable_radix_cache:
             raise UsageError("--schedule-policy lpm orders requests by their cached prefix and needs the radix "
                              "cache: drop --disable-radix-cache, or use --schedule-policy fcfs")

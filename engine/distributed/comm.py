@@ -16,6 +16,14 @@ Host-side collectives (the gloo `cpu_group`):
 - `gather_objects(obj, group)`: every rank's picklable object on group rank 0 (None elsewhere);
 - `barrier(group)`.
 
+Two-batch overlap (engine/model/two_batch.py) starts the device collectives it hides behind the other
+micro-batch's compute without waiting: `start_all_reduce`, `start_all_gather_rows` and
+`start_all_gather_padded_rows` return a `Pending` (its `wait()` gives the result; with async_op=False the
+collective has finished before it returns). Code with such collectives is written as `Stages` (a generator that
+yields each `Pending` it starts); `finish` runs one, waiting at each yield. The plain functions do not go through
+them: the decode forward that torch.compile traces calls those (a collective traced there returns no work
+handle), and torch.compile gives up on a generator's whole frame at its first graph break.
+
 `all_reduce` is the 'torch' all-reduce backend; --all-reduce-backend custom
 (engine/distributed/custom_all_reduce.py) runs peer-memory kernels for small messages between the GPUs
 of one node and calls it for everything else.
@@ -40,12 +48,41 @@ relying on it, and fall back to marking the caller `torch.compiler.disable`.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Generator, Optional
 
 import torch
 import torch.distributed as dist
 
 from engine.distributed.groups import TPGroup
+
+
+class Pending:
+    """A device collective that may still be running: `wait()` waits for it (on CUDA: makes the current stream
+    wait; a no-op once done) and returns its result, `then` applied to the collective's output."""
+
+    def __init__(self, out: Any, work: Any = None, then: Callable[[Any], Any] = lambda out: out):
+        self.out, self.work, self.then = out, work, then
+
+    def wait(self) -> Any:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.then(self.out)
+
+
+# Steps of a computation that starts collectives: a generator that yields each `Pending` it starts, is sent back
+# its result, and returns the computation's result (`finish` runs one; engine/model/two_batch.py interleaves two).
+Stages = Generator[Pending, Any, Any]
+
+
+def finish(stages: Stages) -> Any:
+    """Run `stages` to its end, waiting for each collective as soon as it is yielded."""
+    try:
+        pending = stages.send(None)
+        while True:
+            pending = stages.send(pending.wait())
+    except StopIteration as done:
+        return done.value
 
 
 def all_reduce(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
@@ -70,18 +107,62 @@ def all_gather_rows(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     if group.size == 1:
         return x
     x = x.contiguous()
-    out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, x, group=group.device_group)
+    out = _gathered(x, group)
+    _all_gather()(out, x, group=group.device_group)
     return out
 
 
 def all_gather_padded_rows(x: torch.Tensor, width: int, group: TPGroup) -> torch.Tensor:
     """[n <= width, ...] on every rank (n may differ) -> [size * width, ...]: each rank's rows zero-padded to
     `width`, rank r's block at [r * width, (r + 1) * width)."""
+    return all_gather_rows(_padded(x, width), group)
+
+
+# The asynchronous forms. The plain functions above do not go through them: under torch.compile a collective
+# called with async_op=False is traced as a functional collective whose return value is no work handle.
+
+def start_all_reduce(x: torch.Tensor, group: TPGroup, async_op: bool = True) -> Pending:
+    """`all_reduce`, not waited for (async_op=False: finished before it returns)."""
+    if group.size == 1:
+        return Pending(x)
+    return Pending(x, issue(dist.all_reduce, async_op, x, group=group.device_group))
+
+
+def start_all_gather_rows(x: torch.Tensor, group: TPGroup, async_op: bool = True) -> Pending:
+    """`all_gather_rows`, not waited for (async_op=False: finished before it returns)."""
+    if group.size == 1:
+        return Pending(x)
+    x = x.contiguous()
+    out = _gathered(x, group)
+    return Pending(out, issue(_all_gather(), async_op, out, x, group=group.device_group))
+
+
+def start_all_gather_padded_rows(x: torch.Tensor, width: int, group: TPGroup, async_op: bool = True) -> Pending:
+    """`all_gather_padded_rows`, not waited for (async_op=False: finished before it returns)."""
+    return start_all_gather_rows(_padded(x, width), group, async_op)
+
+
+def issue(collective: Callable, async_op: bool, *args, **kwargs) -> Any:
+    """Call a torch.distributed collective: its work handle when async_op, else None once it has run."""
+    if async_op:
+        return collective(*args, async_op=True, **kwargs)
+    collective(*args, **kwargs)
+    return None
+
+
+def _all_gather() -> Callable:
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _gathered(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """The output of an all-gather of x's rows over the group."""
+    return torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+
+
+def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
     padded = x.new_zeros((width, *x.shape[1:]))
     padded[: x.shape[0]] = x
-    return all_gather_rows(padded, group)
+    return padded
 
 
 def broadcast_tensor(x: torch.Tensor, src: int, group: TPGroup) -> torch.Tensor:

@@ -23,6 +23,11 @@ replay the graph of one padded size, captured with a `uniform` gather (every gro
 padding rows included): the gather's shapes are then static and its all-gather is recorded in the
 graph. An idle group replays it too, with padding rows only. Any group in an extend (or too large a
 batch) sends every group down the eager path with exact counts.
+
+Two-batch overlap (engine/model/two_batch.py): each rank also offers how many of its tokens its first
+micro-batch holds (`split`, 0 for a forward it does not split); the gather then knows every group's two
+micro-batches (`splits`) and `halves` gives each its own gather. A CUDA graph's uniform gather splits every
+group's padded batch at the same row.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class DPGather:
 
     group: TPGroup  # the model's (world) group, with dp_size / dp_rank set
     counts: list[int]  # tokens of each DP group in this forward
+    splits: Optional[list[int]] = None  # two-batch overlap: tokens of each group's first micro-batch
 
     @property
     def total(self) -> int:
@@ -49,11 +55,24 @@ class DPGather:
 
     def gather(self, h: torch.Tensor) -> torch.Tensor:
         """This group's rows [T_g, H] -> every group's rows [sum T, H], group order."""
+        return self._keep(comm.all_gather_padded_rows(h, max(self.counts), self.group))
+
+    def start_gather(self, h: torch.Tensor) -> comm.Pending:
+        """`gather`, started asynchronously (two-batch overlap)."""
+        pending = comm.start_all_gather_padded_rows(h, max(self.counts), self.group)
+        return comm.Pending(pending.out, pending.work, self._keep)
+
+    def _keep(self, every: torch.Tensor) -> torch.Tensor:
+        """The gathered blocks (every rank's, padded to the widest group) -> each group's real rows, once."""
         width = max(self.counts)
-        every = comm.all_gather_padded_rows(h, width, self.group)
         per_group = self.group.size // self.group.dp_size
         starts = (g * per_group * width for g in range(self.group.dp_size))
         return torch.cat([every[s: s + n] for s, n in zip(starts, self.counts)])
+
+    def halves(self) -> tuple["DPGather", "DPGather"]:
+        """The gathers of the two micro-batches (`splits` set)."""
+        return (DPGather(self.group, list(self.splits)),
+                DPGather(self.group, [n - s for n, s in zip(self.counts, self.splits)]))
 
     def scatter(self, out: torch.Tensor) -> torch.Tensor:
         """Every group's rows (already summed over all ranks) -> this group's rows."""
@@ -63,13 +82,15 @@ class DPGather:
 
 def uniform(group: TPGroup, width: int) -> DPGather:
     """Every DP group at the same padded width (a CUDA graph's batch size): static shapes, so the gather
-    can be captured; padding rows are computed like real ones and dropped by their group."""
-    return DPGather(group, [width] * group.dp_size)
+    can be captured; padding rows are computed like real ones and dropped by their group. Two-batch overlap
+    splits each group's padded batch after its first ceil(width / 2) rows."""
+    return DPGather(group, [width] * group.dp_size, [(width + 1) // 2] * group.dp_size)
 
 
 # What a rank's next forward runs, in the order the groups take them when they differ (see `agree`).
 MTP, TARGET, DONE = 0, 1, 2
-_KIND_SHIFT = 40  # one int per rank: kind << 40 | tokens << 1 | graphable
+# one int per rank: kind << 60 | first micro-batch's tokens << 30 | tokens << 1 | graphable
+_KIND_SHIFT, _SPLIT_SHIFT, _TOKEN_BITS = 60, 30, 29
 
 
 @dataclass
@@ -84,7 +105,7 @@ class Agreement:
 
 
 def agree(kind: int, tokens: int, group: TPGroup, graph_sizes: Sequence[int] = (),
-          graphable: bool = False) -> Agreement:
+          graphable: bool = False, split: int = 0) -> Agreement:
     """Agree on the next forward (host collective). Each rank offers the kind of its own next forward and
     its tokens; the smallest kind offered runs, with every group whose next forward is of that kind
     contributing its tokens and the others joining with none (an idle forward of that kind; they offer
@@ -95,17 +116,23 @@ def agree(kind: int, tokens: int, group: TPGroup, graph_sizes: Sequence[int] = (
     The groups replay CUDA graphs of one padded size when the forward is a target or MTP forward (the
     model's graphs or the MTP layer's, captured at the same sizes) that every contributing group can run
     as a graph (`graphable`: a decode batch a captured graph holds) and one group has tokens: the size is the smallest of `graph_sizes` (the captured sizes, the same on every
-    rank) that holds the largest group's batch, and the gather is `uniform` at that size."""
-    every = comm.all_gather_ints((kind << _KIND_SHIFT) | (tokens << 1) | int(graphable), group)
+    rank) that holds the largest group's batch, and the gather is `uniform` at that size. `split`: the tokens of
+    this rank's first micro-batch under two-batch overlap (0: not split), carried in the eager gather's `splits`."""
+    if max(tokens, split) >> _TOKEN_BITS:
+        raise ValueError(f"a forward of {tokens} tokens is more than DP attention's agreement can carry")
+    every = comm.all_gather_ints((kind << _KIND_SHIFT) | (split << _SPLIT_SHIFT) | (tokens << 1) | int(graphable),
+                                 group)
     per_group = group.size // group.dp_size
     firsts = [every[g * per_group] for g in range(group.dp_size)]
     kinds = [v >> _KIND_SHIFT for v in firsts]
     run = min(kinds)
     mine = [k == run for k in kinds]
-    counts = [(v & ((1 << _KIND_SHIFT) - 1)) >> 1 if m else 0 for v, m in zip(firsts, mine)]
+    mask = (1 << _TOKEN_BITS) - 1
+    counts = [(v >> 1) & mask if m else 0 for v, m in zip(firsts, mine)]
+    splits = [(v >> _SPLIT_SHIFT) & mask if m else 0 for v, m in zip(firsts, mine)]
     widest = max(counts)
     graphs = all(v & 1 or not c for v, c in zip(firsts, counts))
     if run in (TARGET, MTP) and graph_sizes and graphs and 0 < widest <= max(graph_sizes):
         bs = min(s for s in graph_sizes if s >= widest)
         return Agreement(run, uniform(group, bs), bs)
-    return Agreement(run, DPGather(group, counts), None)
+    return Agreement(run, DPGather(group, counts, splits), None)

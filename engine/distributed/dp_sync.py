@@ -39,13 +39,14 @@ class DPSync:
     def add_idle(self, kind: int, idle: IdleForward) -> None:
         self.idle[kind] = idle
 
-    def before_forward(self, kind: int, tokens: int, graphable: bool = False) -> Optional[int]:
+    def before_forward(self, kind: int, tokens: int, graphable: bool = False, split: int = 0) -> Optional[int]:
         """Before this rank's own forward of `kind` (`tokens` tokens; `graphable`: a captured CUDA graph holds
         it): run the idle forwards of other kinds that other groups run first, until every group agrees on
         this kind; sets this forward's gather and returns the padded size whose CUDA graph every group
-        replays, or None for an eager forward."""
+        replays, or None for an eager forward. `split`: the tokens of its first micro-batch under two-batch
+        overlap (0: not split)."""
         while True:
-            agreed = self._agree(kind, tokens, graphable)
+            agreed = self._agree(kind, tokens, graphable, split)
             if agreed.kind == kind:
                 return agreed.graph_bs
             self._join(agreed)
@@ -62,8 +63,8 @@ class DPSync:
         same size (`uniform`), so that its shapes are fixed."""
         self.set_gather(uniform(self.group, bs))
 
-    def _agree(self, kind: int, tokens: int, graphable: bool) -> Agreement:
-        agreed = agree(kind, tokens, self.group, self.graph_sizes, graphable)
+    def _agree(self, kind: int, tokens: int, graphable: bool, split: int = 0) -> Agreement:
+        agreed = agree(kind, tokens, self.group, self.graph_sizes, graphable, split)
         self.set_gather(agreed.gather)
         return agreed
 

@@ -28,6 +28,10 @@ Two modes, the same result:
   fixed buffers) would be another implementation of the `TokenExchange` protocol, registered in
   engine/model/kernel_registry.py under its own --moe-a2a-backend name.
 
+Both modes are written as steps (`comm.Stages`): they yield each collective they start. Called (`__call__`)
+the exchange waits for each at once; two-batch overlap (engine/model/two_batch.py) runs `stages` with the
+collectives started asynchronously and the other micro-batch's compute between them.
+
 An id outside [0, ranks x experts_per_rank) is no expert: the slot is dropped, as the expert kernels skip
 it (the start-up's recording forwards, engine/runner/triton_precompile.py, run with the Triton kernels not
 launched, so their router output is whatever memory held).
@@ -59,6 +63,11 @@ class TokenExchange(Protocol):
         token's experts of weight x expert(x). `fixed`: static shapes, no host synchronisation (CUDA graphs;
         every rank passes the same T)."""
 
+    def stages(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts,
+               group: TPGroup, experts_per_rank: int, fixed: bool) -> comm.Stages:
+        """The same exchange as steps whose collectives are started, not waited for (two-batch overlap runs
+        the other micro-batch's compute between them)."""
+
 
 def owner_ranks(ids: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
     """[T, k] global expert ids -> [T, k] the EP rank that holds each (whole experts, rank-major blocks)."""
@@ -85,10 +94,7 @@ def unpack_routing(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup) -> torch.Tensor:
     """Rows [sum(send), ...] with rank r's block of send[r] rows -> [sum(recv), ...], rank r's block from r."""
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send,
-                           group=group.device_group)
-    return out
+    return all_to_all_start(x, send, recv, group, async_op=False).wait()
 
 
 def exchange_counts(send: torch.Tensor, group: TPGroup) -> list[int]:
@@ -98,16 +104,33 @@ def exchange_counts(send: torch.Tensor, group: TPGroup) -> list[int]:
     return recv.tolist()
 
 
-@torch.compiler.disable
-def torch_all_to_all(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts, group: TPGroup,
-                     experts_per_rank: int, fixed: bool) -> torch.Tensor:
+class TorchAllToAll:
     """`TokenExchange` over torch.distributed's all_to_all_single / all_gather (NCCL, gloo)."""
-    run = fixed_exchange if fixed else variable_exchange
-    return run(x, weights, ids, experts, group, experts_per_rank)
+
+    @torch.compiler.disable
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts, group: TPGroup,
+                 experts_per_rank: int, fixed: bool) -> torch.Tensor:
+        return comm.finish(self.stages(x, weights, ids, experts, group, experts_per_rank, fixed, async_op=False))
+
+    def stages(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts, group: TPGroup,
+               experts_per_rank: int, fixed: bool, async_op: bool = True) -> comm.Stages:
+        run = fixed_exchange if fixed else variable_exchange
+        return run(x, weights, ids, experts, group, experts_per_rank, async_op)
+
+
+torch_all_to_all = TorchAllToAll()
+
+
+def all_to_all_start(x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup,
+                     async_op: bool) -> comm.Pending:
+    """`all_to_all_rows`, not waited for when async_op."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    return comm.Pending(out, comm.issue(dist.all_to_all_single, async_op, out, x.contiguous(),
+                                        output_split_sizes=recv, input_split_sizes=send, group=group.device_group))
 
 
 def variable_exchange(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts, group: TPGroup,
-                      experts_per_rank: int) -> torch.Tensor:
+                      experts_per_rank: int, async_op: bool = False) -> comm.Stages:
     """Each token once to each rank holding one of its experts; counts read on the host."""
     owners = owner_ranks(ids, experts_per_rank)
     ranks = torch.arange(group.size, device=x.device, dtype=owners.dtype)
@@ -118,25 +141,29 @@ def variable_exchange(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     recv = exchange_counts(send_counts, group)
     first = (dest * experts_per_rank).unsqueeze(-1).to(ids.dtype)  # each sent row's destination's first expert
     routing = pack_routing(weights[token], local_expert_ids(ids[token], first, experts_per_rank))
-    got_x = all_to_all_rows(x[token], send, recv, group)
-    got_w, got_ids = unpack_routing(all_to_all_rows(routing, send, recv, group))
+    sent_x = all_to_all_start(x[token], send, recv, group, async_op)
+    got_routing = yield all_to_all_start(routing, send, recv, group, async_op)
+    got_x = yield sent_x
+    got_w, got_ids = unpack_routing(got_routing)
     y = experts(got_x, got_w, got_ids) if got_x.shape[0] else got_x
-    back = all_to_all_rows(y, recv, send, group)
+    back = yield all_to_all_start(y, recv, send, group, async_op)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, token, back.float())
     return out.to(x.dtype)
 
 
 def fixed_exchange(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts, group: TPGroup,
-                   experts_per_rank: int) -> torch.Tensor:
+                   experts_per_rank: int, async_op: bool = False) -> comm.Stages:
     """Static shapes (every rank's T equal): all-gather the rows, experts on every row with the ids masked to
     this rank's, then an all-to-all of T rows per rank back to their owners, summed there."""
     t = x.shape[0]
-    every_x = comm.all_gather_rows(x, group)
-    every_w, every_ids = unpack_routing(comm.all_gather_rows(pack_routing(weights, ids), group))
+    every_x = comm.start_all_gather_rows(x, group, async_op)
+    every_routing = yield comm.start_all_gather_rows(pack_routing(weights, ids), group, async_op)
+    every_x = yield every_x
+    every_w, every_ids = unpack_routing(every_routing)
     local = local_expert_ids(every_ids, group.rank * experts_per_rank, experts_per_rank)
     y = experts(every_x, every_w, local)
-    back = all_to_all_rows(y, [t] * group.size, [t] * group.size, group)
+    back = yield all_to_all_start(y, [t] * group.size, [t] * group.size, group, async_op)
     return back.view(group.size, t, *x.shape[1:]).float().sum(0).to(x.dtype)
 
 
@@ -153,3 +180,11 @@ def gather_shares(out: torch.Tensor, t: int, per: int, group: TPGroup) -> torch.
     if group.size == 1:
         return out
     return comm.all_gather_padded_rows(out, per, group)[:t]
+
+
+def start_gather_shares(out: torch.Tensor, t: int, per: int, group: TPGroup) -> comm.Pending:
+    """`gather_shares`, started asynchronously (two-batch overlap)."""
+    if group.size == 1:
+        return comm.Pending(out)
+    pending = comm.start_all_gather_padded_rows(out, per, group)
+    return comm.Pending(pending.out, pending.work, lambda every: every[:t])

@@ -19,11 +19,17 @@ attention, the token counts of every DP group, is here: `dp` (engine/distributed
 None without DP attention) gathers the hidden states before each MLP and scatters them after. So are the
 routing counts every MoE layer adds to (`expert_load`, engine/model/expert_load.py; None unless
 --record-expert-load), told each forward's real row count by `begin_forward`.
+
+Two-batch overlap (`two_batch`, engine/model/two_batch.py; None when off): `begin_forward` decides whether the
+forward runs as two micro-batches and, if so, plans each in a context of its own (`micro`: its batch, its
+attention planning, its DP gather, its view of the routing counts). The two contexts are made once and kept, as CUDA graphs captured with them read
+their tensors at every replay.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field, replace
 from typing import Optional, Protocol
 
 import torch
@@ -34,6 +40,7 @@ from engine.forward_batch import ForwardBatch
 from engine.memory.pools import KVPool, ReqToTokenPool
 from engine.model.expert_load import ExpertLoad
 from engine.model.rope import RotaryEmbedding
+from engine.model.two_batch import TwoBatchOverlap, requests_before, split_batch, split_point
 
 
 class AttentionBackend(Protocol):
@@ -58,6 +65,14 @@ class MoEBackend(Protocol):
 
 
 @dataclass
+class MicroBatch:
+    """One of a two-batch-overlap forward's micro-batches: its batch and the context it runs in."""
+
+    fb: ForwardBatch
+    ctx: ForwardContext
+
+
+@dataclass
 class ForwardContext:
     kv_pool: KVPool
     req_to_token: ReqToTokenPool
@@ -68,6 +83,9 @@ class ForwardContext:
     expanded_kv: bool = False  # --disable-mla: the pool holds per-head K/V (engine/model/attention_expanded.py)
     static_shapes: bool = False  # this forward is a CUDA graph's (captured, or its padded batch run eagerly)
     expert_load: Optional[ExpertLoad] = None  # --record-expert-load: the MoE layers' routing counts
+    two_batch: Optional[TwoBatchOverlap] = None  # --enable-two-batch-overlap: when a forward splits
+    micro: Optional[tuple[MicroBatch, MicroBatch]] = None  # this forward's micro-batches (None: not split)
+    halves: Optional[tuple[ForwardContext, ForwardContext]] = field(default=None, repr=False)
 
     def begin_forward(self, fb: ForwardBatch, graph_bs: Optional[int] = None) -> None:
         """Host-side planning once per forward, before any layer runs (graph_bs: a CUDA graph's padded size:
@@ -75,4 +93,38 @@ class ForwardContext:
         self.static_shapes = graph_bs is not None
         if self.expert_load is not None:
             self.expert_load.begin_forward(fb.num_tokens if fb.real_tokens is None else fb.real_tokens)
-        self.attn_backend.begin_forward(fb, self, graph_bs)
+        self.micro = self._plan_micro_batches(fb)
+        if self.micro is None:
+            self.attn_backend.begin_forward(fb, self, graph_bs)
+
+    def _plan_micro_batches(self, fb: ForwardBatch) -> Optional[tuple[MicroBatch, MicroBatch]]:
+        """Under two-batch overlap, the forward's two micro-batches, planned (None: it runs whole). Every rank
+        decides alike: from the agreed counts under DP attention, else from the batch every rank holds."""
+        if self.two_batch is None or fb.spec_hidden is not None:  # the MTP layer's forwards run whole
+            return None
+        if self.dp is not None:
+            gathers = self.dp.halves() if self.dp.splits is not None else None
+            first = sum(self.dp.splits) if gathers else 0
+            if not self.two_batch.splits(first, self.dp.total):
+                return None
+            tokens = self.dp.splits[self.dp.group.dp_rank]
+            requests = requests_before(fb, tokens)
+        else:
+            gathers = (None, None)
+            requests, tokens = split_point(fb)
+            if not self.two_batch.splits(tokens, fb.num_tokens):
+                return None
+        if self.halves is None:
+            self.halves = (self._half(), self._half())
+        micro = tuple(MicroBatch(part, half) for part, half in zip(split_batch(fb, requests, tokens), self.halves))
+        for m, gather in zip(micro, gathers):
+            m.ctx.dp = gather
+            graph_bs = m.fb.num_tokens if self.static_shapes else None
+            m.ctx.begin_forward(m.fb, graph_bs)
+        return micro
+
+    def _half(self) -> ForwardContext:
+        """A micro-batch's context: this one's pools and backends, its own attention planning and real-row count."""
+        load = self.expert_load.view() if self.expert_load is not None else None
+        return replace(self, attn_backend=copy.copy(self.attn_backend), expert_load=load, two_batch=None, micro=None,
+                       halves=None)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from engine.checkpoint.config import ModelConfig
+from engine.distributed import comm
 from engine.distributed.divisibility import check_model_divisible
 from engine.distributed.expert_placement import ExpertPlacement
 from engine.distributed.groups import TPGroup
@@ -42,6 +43,7 @@ from engine.model.layers import (
     vocab_parallel_logits,
 )
 from engine.model.moe import MoE
+from engine.model.two_batch import interleave
 
 
 def check_tp(cfg: ModelConfig, tp: TPGroup, fp8_block=None) -> None:
@@ -73,6 +75,27 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output and `residual` the stream it adds to (None: x is the stream, the
         embedding) -> (this layer's output, the stream it adds to). Each residual add runs inside the norm after
         it (RMSNorm.add / add_for_linear); the caller adds the last layer's output itself."""
+        h, residual, gathers = self._attend(x, fb, ctx, residual)
+        if gathers:
+            h = ctx.dp.gather(h)
+        out = self.mlp(h, ctx) if self.is_moe else self.mlp(h)
+        return (ctx.dp.scatter(out) if gathers else out), residual
+
+    def stages(self, x: torch.Tensor, fb: ForwardBatch, ctx: ForwardContext,
+               residual: Optional[torch.Tensor] = None) -> comm.Stages:
+        """`forward` of a two-batch-overlap micro-batch (engine/model/two_batch.py): steps that start DP
+        attention's gather and the MoE's collectives asynchronously and yield them. (A generator, so the plain
+        `forward` stays one: torch.compile gives up on a whole generator frame at its first graph break.)"""
+        h, residual, gathers = self._attend(x, fb, ctx, residual)
+        if gathers:
+            h = yield ctx.dp.start_gather(h)
+        out = (yield from self.mlp.stages(h, ctx)) if self.is_moe else self.mlp(h)
+        return (ctx.dp.scatter(out) if gathers else out), residual
+
+    def _attend(self, x: torch.Tensor, fb: ForwardBatch, ctx: ForwardContext,
+                residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Norm, attention, norm -> (the MLP's input, the residual stream, whether DP attention gathers the MLP's
+        input from every group and scatters its output back)."""
         h, residual = self.input_layernorm.add_for_linear(x, residual, *self.self_attn.input_linears())
         out = self.self_attn(h, fb, ctx) if x.shape[0] else x  # an idle DP-attention forward has no tokens
         if ctx.dp is None and not self.is_moe:  # the dense MLP's GEMM is the norm's only reader
@@ -80,10 +103,7 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.post_attention_layernorm.add(out, residual)
         gathers = ctx.dp is not None and not (self.is_moe and self.mlp.tp.exchanges_tokens)  # a2a: own rows only
-        if gathers:
-            h = ctx.dp.gather(h)
-        out = self.mlp(h, ctx) if self.is_moe else self.mlp(h)
-        return (ctx.dp.scatter(out) if gathers else out), residual
+        return h, residual, gathers
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -121,11 +141,28 @@ class DeepseekForCausalLM(nn.Module):
             self.layers = every
 
     def hidden_states(self, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        """Final pre-norm hidden states [T, hidden] of every token in the batch."""
+        """Final pre-norm hidden states [T, hidden] of every token in the batch (under two-batch overlap, of its
+        two micro-batches run interleaved: `ctx.micro`, planned by `ctx.begin_forward`)."""
+        if ctx.micro is not None:
+            return self._overlapped(ctx)
         x = vocab_parallel_embedding(fb.input_ids, self.embed_tokens, self.tp, self.kernels.all_reduce)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, fb, ctx, residual)
+        return x if residual is None else x + residual
+
+    @torch.compiler.disable
+    def _overlapped(self, ctx: ForwardContext) -> torch.Tensor:
+        """The two micro-batches' layers, interleaved at their collectives (engine/model/two_batch.py); outside
+        torch.compile (a compiled decode graph that splits runs these layers uncompiled)."""
+        first, second = ctx.micro
+        return torch.cat(interleave(self._stages(first.fb, first.ctx), self._stages(second.fb, second.ctx)))
+
+    def _stages(self, fb: ForwardBatch, ctx: ForwardContext) -> comm.Stages:
+        x = vocab_parallel_embedding(fb.input_ids, self.embed_tokens, self.tp, self.kernels.all_reduce)
+        residual = None
+        for layer in self.layers:
+            x, residual = yield from layer.stages(x, fb, ctx, residual)
         return x if residual is None else x + residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

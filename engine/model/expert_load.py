@@ -15,6 +15,7 @@ logical expert and per EP rank (engine/distributed/expert_placement.py maps slot
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -64,6 +65,12 @@ class ExpertLoad:
         width = max((len(v) for v in self.slots.values()), default=1)
         self.counts = torch.zeros(len(self.row), width, dtype=torch.int64, device=device)
         self.real_rows = torch.zeros((), dtype=torch.int64, device=device)
+
+    def view(self) -> ExpertLoad:
+        """These counts with a real-row count of its own (a two-batch-overlap micro-batch's)."""
+        other = copy.copy(self)
+        other.real_rows = torch.zeros_like(self.real_rows)
+        return other
 
     def begin_forward(self, real_rows: int) -> None:
         """Before a forward (outside any graph capture): how many of its rows are real tokens."""

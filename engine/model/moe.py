@@ -53,14 +53,16 @@ engine/model/expert_load.py) take the slot ids of the rank's own rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from engine.checkpoint.config import ModelConfig
+from engine.distributed import comm
 from engine.distributed.groups import TPGroup
-from engine.distributed.token_exchange import gather_shares, local_expert_ids, token_share
+from engine.distributed.token_exchange import gather_shares, local_expert_ids, start_gather_shares, token_share
 from engine.errors import UsageError
 from engine.model.context import ForwardContext
 from engine.model.gate_ops import torch_gate
@@ -88,6 +90,17 @@ def select_experts(logits: torch.Tensor, cfg: ModelConfig, bias: Optional[torch.
     (engine/model/gate_ops.py); with n_shared, k + n_shared columns, the last ones the shared experts E, E + 1,
     ... at weight 1 (written by the same launch). A MoE layer routes from its hidden states (`MoE.route`)."""
     return gate(logits, None, cfg, bias, n_shared)
+
+
+@dataclass
+class ExchangeShare:
+    """All-to-all EP: the rows of its attention group's tokens one rank exchanges (padded to `per` rows under
+    static shapes; the first `rows` are real) and the token exchange's arguments for them."""
+
+    mine: torch.Tensor
+    rows: int
+    per: int
+    exchange: tuple
 
 
 class MoE(nn.Module):
@@ -232,7 +245,24 @@ class MoE(nn.Module):
         """x: every token of the step on every rank (gather path), or this rank's attention group's tokens
         (`tp.exchanges_tokens`); the output has x's rows."""
         if self.tp.exchanges_tokens:
-            return self.forward_exchanged(x, ctx)
+            share = self._share(x, ctx)
+            out = self.kernels.moe_a2a(*share.exchange)
+            return gather_shares(self._add_shared(out, share), x.shape[0], share.per, self.tp.attention)
+        return self.kernels.all_reduce(self._partial(x, ctx), self.tp)
+
+    def stages(self, x: torch.Tensor, ctx: ForwardContext) -> comm.Stages:
+        """`forward` of a two-batch-overlap micro-batch (engine/model/two_batch.py): its collectives started
+        asynchronously (the all-reduce through torch.distributed: the custom one has no asynchronous form) and
+        yielded."""
+        if self.tp.exchanges_tokens:
+            share = self._share(x, ctx)
+            out = yield from self.kernels.moe_a2a.stages(*share.exchange)
+            return (yield start_gather_shares(self._add_shared(out, share), x.shape[0], share.per, self.tp.attention))
+        return (yield comm.start_all_reduce(self._partial(x, ctx), self.tp))
+
+    def _partial(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Gather path: this rank's partial output for every token (its experts or its share of each expert, and
+        its share of the shared experts), to be summed over the group."""
         weights, ids = self.route(x)
         ids = self.to_slots(ids)
         if ctx.expert_load is not None and self.tp.attention.is_first:  # the group's tokens, counted once
@@ -240,15 +270,13 @@ class MoE(nn.Module):
         if self.tp.ep_size > 1:
             ids = local_expert_ids(ids, self.first_expert, self.num_local_experts)
         out = ctx.moe_backend.experts(self, x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return self.kernels.all_reduce(out, self.tp)
+        return out + self.shared_experts(x) if self.shared_experts is not None else out
 
-    def forward_exchanged(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """All-to-all EP: this rank's share of its attention group's rows to their experts' ranks and back;
-        the group then shares the outputs (no all-reduce)."""
-        group = self.tp.attention
-        start, end, per = token_share(x.shape[0], group)
+    def _share(self, x: torch.Tensor, ctx: ForwardContext) -> ExchangeShare:
+        """All-to-all EP: this rank's share of its attention group's rows, routed, and the exchange's arguments;
+        the exchange sends them to their experts' ranks and back, then the group shares the outputs (no
+        all-reduce)."""
+        start, end, per = token_share(x.shape[0], self.tp.attention)
         mine = x[start:end]
         if ctx.static_shapes and mine.shape[0] < per:  # every rank exchanges the same row count
             mine = torch.cat((mine, mine.new_zeros((per - mine.shape[0], *mine.shape[1:]))))
@@ -260,10 +288,13 @@ class MoE(nn.Module):
         def experts(rows: torch.Tensor, w: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
             return ctx.moe_backend.experts(self, rows, w, local_ids)
 
-        out = self.kernels.moe_a2a(mine, weights, ids, experts, self.tp, self.num_local_experts, ctx.static_shapes)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(mine)
-        return gather_shares(out[: end - start], x.shape[0], per, group)
+        return ExchangeShare(mine, end - start, per,
+                             (mine, weights, ids, experts, self.tp, self.num_local_experts, ctx.static_shapes))
+
+    def _add_shared(self, out: torch.Tensor, share: ExchangeShare) -> torch.Tensor:
+        """The exchange's output for this rank's share plus the shared experts, its padding rows dropped."""
+        out = out + self.shared_experts(share.mine) if self.shared_experts is not None else out
+        return out[: share.rows]
 
 
 def shared_fusion_blocker(cfg: ModelConfig, group: Optional[TPGroup], tp_size: int, fp8_block) -> Optional[str]:

@@ -50,6 +50,7 @@ from engine.model.kernel_registry import (
 )
 from engine.model.moe import MoE
 from engine.model.rope import RotaryEmbedding
+from engine.model.two_batch import TwoBatchOverlap, split_point
 from engine.runner.cuda_graph import CudaGraphRunner
 from engine.runner.device import pick_device, pick_dtype
 from engine.runner.piecewise_graph import PiecewiseGraphs, bucket_sizes
@@ -178,6 +179,7 @@ class ModelRunner:
         if sizes:
             with timed(phases, "piecewise graphs"):
                 self.build_piecewise(sizes)
+        self.two_batch_forwards = 0  # this rank's own forwards run as two micro-batches (--enable-two-batch-overlap)
         self.late_compiles = LateCompileLog()
         if self.device.type == "cuda":
             self.late_compiles.install()  # from here on a compile stalls a step: say which and how long
@@ -312,7 +314,13 @@ class ModelRunner:
         attention = ATTENTION.build(self.kernel_choice.attention, self.setup, self.kv_pool, self.req_to_token)
         moe = MOE.build(self.kernel_choice.moe, self.setup)
         self.forward_ctx = ForwardContext(self.kv_pool, self.req_to_token, rotary, attention, moe,
-                                          expanded_kv=self.setup.expanded_kv, expert_load=self._expert_load())
+                                          expanded_kv=self.setup.expanded_kv, expert_load=self._expert_load(),
+                                          two_batch=self._two_batch())
+
+    def _two_batch(self) -> Optional[TwoBatchOverlap]:
+        """--enable-two-batch-overlap: which forwards run as two micro-batches (None: off)."""
+        par = self.args.parallel
+        return TwoBatchOverlap(par.two_batch_overlap_min_tokens) if par.enable_two_batch_overlap else None
 
     def _default_kv_tokens(self, cache_layers: int, kv_dtype: torch.dtype) -> int:
         """KV tokens that fit in --mem-fraction-static of the GPU after the weights (CPU: a fixed default)."""
@@ -368,8 +376,10 @@ class ModelRunner:
 
     def _piecewise_sizes(self) -> list[int]:
         """Token buckets of the extend steps' piecewise CUDA graphs ([] where they are off: no CUDA graphs, DP
-        attention, --disable-mla, or --piecewise-cuda-graph-max-tokens 0)."""
-        if not self.setup.cuda_graphs or self.dp is not None or self.setup.expanded_kv:
+        attention, --disable-mla, two-batch overlap (its micro-batches run eagerly), or
+        --piecewise-cuda-graph-max-tokens 0)."""
+        off = self.dp is not None or self.setup.expanded_kv or self.forward_ctx.two_batch is not None
+        if not self.setup.cuda_graphs or off:
             return []
         return bucket_sizes(self.args.piecewise_max_tokens())
 
@@ -480,7 +490,9 @@ class ModelRunner:
 
     def _idle_forward(self) -> None:
         """Every layer's gather / MLP / scatter with no tokens of this group's (attention is skipped)."""
-        self.model.hidden_states(self.idle_batch(), self.forward_ctx)
+        fb = self.idle_batch()
+        self.forward_ctx.begin_forward(fb)  # two-batch overlap: the other groups' micro-batches, joined
+        self.model.hidden_states(fb, self.forward_ctx)
 
     def _replay_padding(self, bs: int) -> None:
         self.graphs.replay_padding(bs)
@@ -495,7 +507,10 @@ class ModelRunner:
         graph when one holds fb (under DP attention: when every group's does, at the agreed size), else
         eagerly."""
         graphable = graphs is not None and graphs.can_run(fb)
-        graph_bs = self.dp.before_forward(kind, fb.num_tokens, graphable) if self.dp is not None else None
+        graph_bs = None
+        if self.dp is not None:
+            split = split_point(fb)[1] if kind == TARGET and self.forward_ctx.two_batch is not None else 0
+            graph_bs = self.dp.before_forward(kind, fb.num_tokens, graphable, split)
         if graph_bs is not None or (graphable and self.dp is None):
             logits, hidden = graphs.replay(fb, graph_bs)
         elif kind == TARGET and self.piecewise is not None and self.piecewise.can_run(fb):
@@ -503,6 +518,7 @@ class ModelRunner:
         else:
             self.forward_ctx.begin_forward(fb)
             logits, hidden = eager(fb)
+        self.two_batch_forwards += self.forward_ctx.micro is not None
         return ForwardOutput(logits=logits, hidden=hidden)
 
     def share_sampled(self, tokens: torch.Tensor) -> torch.Tensor:

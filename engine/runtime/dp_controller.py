@@ -93,7 +93,8 @@ class DPController:
         first = per_group[0]
         total = {f: sum(getattr(s, f) for s in per_group)
                  for f in ("running", "waiting", "kv_total_tokens", "kv_free_tokens", "kv_evictable_tokens",
-                           "waiting_tokens", "prefix_cache_tokens", "retracted_requests", "spec_plain_steps")}
+                           "waiting_tokens", "prefix_cache_tokens", "retracted_requests", "spec_plain_steps",
+                           "two_batch_forwards")}
         rate = sum(s.prefix_cache_hit_rate for s in per_group) / len(per_group)
         hists = [s.spec_accept_hist for s in per_group if s.spec_accept_hist]
         accept = tuple(map(sum, zip(*hists))) if hists else ()  # every group has the same buckets

@@ -87,6 +87,7 @@ class EngineStats:
     # speculative decoding, cumulative: request-steps that emitted 1, 2, ... tokens (empty when off)
     spec_accept_hist: tuple[int, ...] = ()
     spec_plain_steps: int = 0  # cumulative: decode steps run without speculation (--speculative-disable-by-batch-size)
+    two_batch_forwards: int = 0  # cumulative: forwards run as two micro-batches (--enable-two-batch-overlap)
     # cumulative, per step kind: (per-bucket counts of engine.scheduler.step_times.BUCKETS and +Inf, seconds)
     step_seconds: dict = field(default_factory=dict)
 

@@ -68,6 +68,7 @@ def scheduler_stats(scheduler, runner) -> protocol.EngineStats:
                                 retracted_requests=extra["retracted_requests"],
                                 spec_accept_hist=extra.get("spec_accept_hist", ()),
                                 spec_plain_steps=extra.get("spec_plain_steps", 0),
+                                two_batch_forwards=runner.two_batch_forwards,
                                 step_seconds=extra.get("step_seconds", {}))
 
 

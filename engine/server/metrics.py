@@ -55,6 +55,9 @@ class _EngineCollector:
             yield g
         yield CounterMetricFamily("dsctl_retracted_requests", "Requests preempted because decode ran out of KV "
                                   "(requeued and resumed by recompute).", value=float(s.retracted_requests))
+        yield CounterMetricFamily("dsctl_two_batch_forwards", "Forwards run as two overlapped micro-batches "
+                                  "(--enable-two-batch-overlap; DP attention: summed over the groups).",
+                                  value=float(s.two_batch_forwards))
         yield from _dp_metrics(s)
         yield from _expert_metrics(c.expert_load)
         yield from _spec_metrics(s)

@@ -54,6 +54,7 @@ def comm_checks(local_rank: int, pc) -> None:
     proposals = [5000 - 300 * ((q * 7) % n) for q in range(n)]
     assert comm.all_reduce_min_int(proposals[r], g) == min(proposals)
     token_exchange_checks(g)
+    async_checks(g)
     comm.barrier(g)
     state.destroy()
     assert not torch.distributed.is_initialized()
@@ -88,6 +89,38 @@ def token_exchange_checks(g) -> None:
     start, end, per = token_share(t, g)
     x = _rand(400, t, h)
     torch.testing.assert_close(gather_shares(2 * x[start:end], t, per, g), 2 * x)
+
+
+def async_checks(g) -> None:
+    """Two-batch overlap's forms: collectives started asynchronously, several in flight, waited for out of order,
+    and the token exchange's steps of two micro-batches interleaved: the results of the plain forms."""
+    from engine.distributed import comm
+    from engine.distributed.token_exchange import torch_all_to_all
+    from engine.model.two_batch import interleave
+
+    r, n = g.rank, g.size
+    x = _rand(500 + r, 4, 6)
+    summed = comm.start_all_reduce(x.clone(), g)
+    rows = comm.start_all_gather_padded_rows(_rand(600 + r, r + 1, 6), n, g)
+    torch.testing.assert_close(rows.wait(), comm.all_gather_padded_rows(_rand(600 + r, r + 1, 6), n, g))
+    torch.testing.assert_close(summed.wait(), sum(_rand(500 + q, 4, 6) for q in range(n)))
+    per_rank, k = 2, 2
+
+    def experts(rows, w, local_ids):
+        scale = torch.where(local_ids >= 0, w * (local_ids + r * per_rank + 1), torch.zeros_like(w))
+        return rows * scale.sum(1, keepdim=True)
+
+    def batch(seed: int, t: int):
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.stack([torch.randperm(n * per_rank, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+        return _rand(seed, t, 6), torch.rand(t, k, generator=gen), ids
+
+    for fixed in (False, True):
+        a, b = batch(700 + r, 3), batch(800 + r, 2 if fixed else 1 + r)
+        got = interleave(torch_all_to_all.stages(*a, experts, g, per_rank, fixed),
+                         torch_all_to_all.stages(*b, experts, g, per_rank, fixed))
+        for out, args in zip(got, (a, b)):
+            torch.testing.assert_close(out, torch_all_to_all(*args, experts, g, per_rank, fixed))
 
 
 def fail_in_collective(local_rank: int, pc) -> None:

@@ -168,17 +168,23 @@ def _placement_file(path, model: str, ep: int, redundant: int) -> str:
     return str(path)
 
 
+TBO = dict(enable_two_batch_overlap=True, two_batch_overlap_min_tokens=2)  # split every forward that can be
+
+
 @pytest.mark.parametrize("model, tp, layout", [
-    ("tiny", 2, dict(EP, enable_dp_attention=True, dp_size=2)), ("tiny", 2, A2A),
-    ("tiny-fp8", 4, dict(A2A, enable_dp_attention=True, dp_size=2)),
-], ids=["ep2-dp2-gather", "tp2-a2a", "ep4-dp2-a2a"])
+    ("tiny", 2, dict(EP, enable_dp_attention=True, dp_size=2)), ("tiny", 2, dict(A2A, **TBO)),
+    ("tiny", 2, dict(EP, enable_dp_attention=True, dp_size=2, **TBO)),
+    ("tiny-fp8", 4, dict(A2A, enable_dp_attention=True, dp_size=2, **TBO)),
+], ids=["ep2-dp2-gather", "tp2-a2a-tbo", "ep2-dp2-gather-tbo", "ep4-dp2-a2a-tbo"])
 def test_redundant_experts_and_routing_counts(reference, tmp_path, model, tp, layout):
     """Redundant experts from a placement file (a hot expert's picks spread over its copies on different ranks)
     give one process's tokens, through the gather path under DP attention and the all-to-all exchange, with
     decodes through padded (CUDA-graph-shaped) batches; and the routing counts the ranks record add up to
     top_k x the tokens forwarded per MoE layer (the radix cache off: each prompt token forwarded once, then
     one token per decode step), padding rows and idle groups not counted, each EP rank's share summing to it,
-    and per expert as one process counts them."""
+    and per expert as one process counts them. With two-batch overlap (every forward of two or more requests
+    split, its collectives started asynchronously and interleaved with the other micro-batch's compute), the same
+    tokens and counts, and the engine says forwards were split."""
     import functools
 
     from engine.runtime.rank_loop import engine_main
@@ -195,7 +201,9 @@ def test_redundant_experts_and_routing_counts(reference, tmp_path, model, tp, la
                                                                           make_engine=padded_decode_engine)) as eng:
         got = eng.generate(input_ids=prompts, sampling_params=params)
         report = eng.expert_load()
+        split = eng.stats.two_batch_forwards
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert (split > 0) == bool(layout.get("enable_two_batch_overlap")), split
     one = Engine(EngineArgs.of(model=model, **flags))
     one.generate(input_ids=prompts, sampling_params=params)
     want = one.runner.expert_load_report()
