@@ -45,11 +45,24 @@ def reference(check, base):
     return check.run_layout(flags, "tp1", "eager", ids, 16)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-dp2", "tp2-ep2"])
+# tbo2: two-batch overlap with every forward of two or more requests split (NCCL's asynchronous collectives, in
+# and out of CUDA graphs)
+@pytest.mark.parametrize("layout", ["tp2", "tp2-dp2", "tp2-ep2", "tp2-dp2-ep2-a2a-tbo2", "tp2-ep2-tbo2"])
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_layout_matches_one_gpu(check, base, reference, layout, mode):
+    _matches(check, base, reference, layout, mode)
+
+
+@pytest.mark.parametrize("layout", ["tp2-dp2-ep2-a2a", "tp2-dp2-ep2-a2a-tbo2"])
+def test_compiled_graphs_match_one_gpu(check, base, reference, layout):
+    """CUDA graphs of torch.compile'd decode forwards: the collectives traced inside them, and with two-batch
+    overlap the split graphs (their layers run uncompiled)."""
+    _matches(check, base, reference, layout, "graph+compile", compile_max_bs=8)
+
+
+def _matches(check, base, reference, layout: str, mode: str, **kw) -> None:
     flags, ids = base
-    run = check.run_layout(flags, layout, mode, ids, 16)
+    run = check.run_layout(flags, layout, mode, ids, 16, **kw)
     assert not reference.failed and not run.failed, (reference.failed, run.failed)
     c = check.compare(reference, run)
     assert c.max_dlogprob < LOGPROB_ATOL, c
