@@ -90,7 +90,8 @@ def test_tp2_server_matches_one_process_and_takes_32_streams(one_process_text):
 def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_text, tmp_path):
     """With expert parallelism, redundant experts from a placement file and the routing counts recorded: /metrics
     shows each EP rank's expert load, GET /expert_load the counts per layer and expert, which `dsctl
-    place-experts` turns into a placement again."""
+    place-experts` turns into a placement again. Two-batch overlap on, splitting forwards from 8 tokens: the
+    streams' batches run as two micro-batches, /metrics counts them, the routing counts stay whole."""
     from typer.testing import CliRunner
 
     from dsctl.cli import app
@@ -98,7 +99,8 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
 
     placement = _placement_file(tmp_path / "placement.json", "tiny", ep=2, redundant=2)
     srv = launch("--device", "cpu", "--tp", "2", "--enable-dp-attention", "--dp", "2", "--ep", "2",
-                 "--expert-placement", placement, "--record-expert-load")
+                 "--expert-placement", placement, "--record-expert-load", "--enable-two-batch-overlap",
+                 "--two-batch-overlap-min-tokens", "8")
     try:
         pids = srv.get("/health").json()["engine_pids"]
         assert len(pids) == 2
@@ -115,6 +117,7 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
         used = [m.get(f'dsctl_dp_kv_cache_used_tokens{{dp_rank="{g}"}}', -1) for g in (0, 1)]
         assert all(n > 0 for n in used), used  # each group's prefix cache holds its finished streams
         assert all(f'dsctl_dp_kv_load_tokens{{dp_rank="{g}"}}' in m for g in (0, 1)), sorted(m)
+        assert m["dsctl_two_batch_forwards_total"] > 0, sorted(m)
         async def burst():  # 32 at once: one collective answers them (the client coalesces), all get it
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
                 return await asyncio.gather(*(http.get("/expert_load") for _ in range(32)))

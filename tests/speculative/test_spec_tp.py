@@ -56,7 +56,8 @@ def test_dp_attention_with_disable_by_batch_size_identical():
     """The same under DP attention with --speculative-disable-by-batch-size 2 and padded graphs: a group runs
     plain steps while 2 or more of its requests decode (26 / 31 of them: draft-KV catch-ups through the MTP
     layer after 16), then spec steps for its longest request, each group at its own pace; every forward is
-    still agreed between the groups."""
+    still agreed between the groups. With two-batch overlap splitting every target extend and plain decode of two
+    or more requests (verify and MTP forwards run whole), amid the other groups' spec steps."""
     main = functools.partial(engine_main, make_engine=padded_spec_engine)
     flags = dict(FLAGS, max_total_tokens=2048)
     off = Engine(EngineArgs.of(model="tiny-py", **flags))
@@ -64,7 +65,9 @@ def test_dp_attention_with_disable_by_batch_size_identical():
     params = [SamplingParams(max_new_tokens=6 + 5 * i, temperature=0, ignore_eos=True) for i in range(len(ps))]
     ref = [o.token_ids for o in off.generate(input_ids=ps, sampling_params=params)]
     with RankedEngine(EngineArgs.of(model="tiny-py", tp_size=2, enable_dp_attention=True, dp_size=2,
-                                    dist_timeout=60, speculative_disable_by_batch_size=2, **flags, **SPEC),
+                                    dist_timeout=60, speculative_disable_by_batch_size=2, enable_two_batch_overlap=True,
+                                    two_batch_overlap_min_tokens=2, **flags, **SPEC),
                        rank_main=main) as eng:
         both = eng.generate(input_ids=ps, sampling_params=params)
+        assert eng.stats.two_batch_forwards > 0
     assert [o.token_ids for o in both] == ref
