@@ -22,8 +22,8 @@ routing counts every MoE layer adds to (`expert_load`, engine/model/expert_load.
 
 Two-batch overlap (`two_batch`, engine/model/two_batch.py; None when off): `begin_forward` decides whether the
 forward runs as two micro-batches and, if so, plans each in a context of its own (`micro`: its batch, its
-attention planning, its DP gather, its view of the routing counts). The two contexts are made once and kept, as CUDA graphs captured with them read
-their tensors at every replay.
+attention planning, its DP gather, its view of the routing counts). The two contexts are made once and kept, as
+CUDA graphs captured with them read their tensors at every replay.
 """
 
 from __future__ import annotations
