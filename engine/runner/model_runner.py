@@ -277,6 +277,16 @@ class ModelRunner:
                  for mod in modules for m in mod.modules() if isinstance(m, MoE)}
         return ExpertLoad(slots, self.config.n_routed_experts, self.parallel.tp.ep_size, self.device)
 
+    @property
+    def records_expert_load(self) -> bool:
+        """--record-expert-load is on."""
+        return self.forward_ctx.expert_load is not None
+
+    def reset_expert_load(self) -> None:
+        """Start the routing counts afresh (after the start-up's warm-up forwards); nothing when not recorded."""
+        if self.forward_ctx.expert_load is not None:
+            self.forward_ctx.expert_load.reset()
+
     def expert_load_report(self) -> Optional[ExpertLoadReport]:
         """The job's routing counts since ready (a collective: every rank calls it at the same point); None when
         not recorded."""

@@ -130,7 +130,7 @@ class EngineLoop:
         """Send the deltas gathered since the last call, and the stats (and, every EXPERT_LOAD_EVERY calls, the
         routing counts when they are recorded)."""
         self.sent_outputs += 1
-        if self.sent_outputs % EXPERT_LOAD_EVERY == 0 and self.engine.runner.forward_ctx.expert_load is not None:
+        if self.sent_outputs % EXPERT_LOAD_EVERY == 0 and self.engine.runner.records_expert_load:
             self.report_expert_load()
         outputs = self.engine.scheduler.take_outputs()
         stats = scheduler_stats(self.engine.scheduler, self.engine.runner)
@@ -284,8 +284,7 @@ def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], 
         engine = (make_engine or Engine)(args, local_rank=local_rank)
         with timed(engine.startup, "warm-up generations"):
             _warm_up(engine)
-        if engine.runner.forward_ctx.expert_load is not None:
-            engine.runner.forward_ctx.expert_load.reset()  # the counts start with serving
+        engine.runner.reset_expert_load()  # the counts start with serving
         _log_startup(rank, entered_after, engine.startup)
     except BaseException as exc:  # noqa: BLE001 - report any startup failure to the server
         msg = str(exc) if isinstance(exc, DsctlError) else traceback.format_exc()
