@@ -40,7 +40,7 @@ def engine_flags(name: str) -> dict:
 def cli_flags(name: str) -> list[str]:
     out = []
     for key, value in engine_flags(name).items():
-        flag = "--" + (key if key.startswith("two_batch") else key.replace("_size", "")).replace("_", "-")
+        flag = "--" + key.replace("_size", "").replace("_", "-")
         out += [flag] if value is True else [flag, str(value)]
     return out
 

@@ -69,6 +69,11 @@ class Pending:
             self.work = None
         return self.then(self.out)
 
+    def map(self, fn: Callable[[Any], Any]) -> Pending:
+        """The same collective, its result passed through `fn` when waited for."""
+        then = self.then
+        return Pending(self.out, self.work, lambda out: fn(then(out)))
+
 
 # Steps of a computation that starts collectives: a generator that yields each `Pending` it starts, is sent back
 # its result, and returns the computation's result (`finish` runs one; engine/model/two_batch.py interleaves two).

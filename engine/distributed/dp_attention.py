@@ -59,8 +59,7 @@ class DPGather:
 
     def start_gather(self, h: torch.Tensor) -> comm.Pending:
         """`gather`, started asynchronously (two-batch overlap)."""
-        pending = comm.start_all_gather_padded_rows(h, max(self.counts), self.group)
-        return comm.Pending(pending.out, pending.work, self._keep)
+        return comm.start_all_gather_padded_rows(h, max(self.counts), self.group).map(self._keep)
 
     def _keep(self, every: torch.Tensor) -> torch.Tensor:
         """The gathered blocks (every rank's, padded to the widest group) -> each group's real rows, once."""

@@ -92,11 +92,6 @@ def unpack_routing(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed[:, :k].contiguous(), packed[:, k:].contiguous().view(torch.int32)
 
 
-def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup) -> torch.Tensor:
-    """Rows [sum(send), ...] with rank r's block of send[r] rows -> [sum(recv), ...], rank r's block from r."""
-    return all_to_all_start(x, send, recv, group, async_op=False).wait()
-
-
 def exchange_counts(send: torch.Tensor, group: TPGroup) -> list[int]:
     """Every rank's row count for this rank (int64 [size]) -> what this rank receives from each (host list)."""
     recv = torch.empty_like(send)
@@ -123,7 +118,8 @@ torch_all_to_all = TorchAllToAll()
 
 def all_to_all_start(x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup,
                      async_op: bool) -> comm.Pending:
-    """`all_to_all_rows`, not waited for when async_op."""
+    """Rows [sum(send), ...] with rank r's block of send[r] rows -> [sum(recv), ...], rank r's block from r (its
+    `wait()`); not waited for when async_op."""
     out = x.new_empty((sum(recv), *x.shape[1:]))
     return comm.Pending(out, comm.issue(dist.all_to_all_single, async_op, out, x.contiguous(),
                                         output_split_sizes=recv, input_split_sizes=send, group=group.device_group))
@@ -186,5 +182,4 @@ def start_gather_shares(out: torch.Tensor, t: int, per: int, group: TPGroup) -> 
     """`gather_shares`, started asynchronously (two-batch overlap)."""
     if group.size == 1:
         return comm.Pending(out)
-    pending = comm.start_all_gather_padded_rows(out, per, group)
-    return comm.Pending(pending.out, pending.work, lambda every: every[:t])
+    return comm.start_all_gather_padded_rows(out, per, group).map(lambda every: every[:t])

@@ -94,7 +94,7 @@ class ForwardContext:
         if self.expert_load is not None:
             self.expert_load.begin_forward(fb.num_tokens if fb.real_tokens is None else fb.real_tokens)
         self.micro = self._plan_micro_batches(fb)
-        if self.micro is None:
+        if self.micro is None and fb.num_tokens:  # a batch of no tokens runs no attention
             self.attn_backend.begin_forward(fb, self, graph_bs)
 
     def _plan_micro_batches(self, fb: ForwardBatch) -> Optional[tuple[MicroBatch, MicroBatch]]:
@@ -103,10 +103,9 @@ class ForwardContext:
         if self.two_batch is None or fb.spec_hidden is not None:  # the MTP layer's forwards run whole
             return None
         if self.dp is not None:
-            gathers = self.dp.halves() if self.dp.splits is not None else None
-            first = sum(self.dp.splits) if gathers else 0
-            if not self.two_batch.splits(first, self.dp.total):
+            if self.dp.splits is None or not self.two_batch.splits(sum(self.dp.splits), self.dp.total):
                 return None
+            gathers = self.dp.halves()
             tokens = self.dp.splits[self.dp.group.dp_rank]
             requests = requests_before(fb, tokens)
         else:

@@ -501,7 +501,7 @@ class ModelRunner:
     def _idle_forward(self) -> None:
         """Every layer's gather / MLP / scatter with no tokens of this group's (attention is skipped)."""
         fb = self.idle_batch()
-        self.forward_ctx.begin_forward(fb)  # two-batch overlap: the other groups' micro-batches, joined
+        self.forward_ctx.begin_forward(fb)  # under two-batch overlap: join the other groups' micro-batches
         self.model.hidden_states(fb, self.forward_ctx)
 
     def _replay_padding(self, bs: int) -> None:
