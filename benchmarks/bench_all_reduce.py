@@ -19,7 +19,8 @@ Any failure raises (the rank exits non-zero and torchrun reports it); rank 0 pri
 
 Timing (unless --check-only): per size, --calls in-place all-reduces captured in one CUDA graph, replayed
 --replays times, CUDA events around the replays, microseconds per call (median of 3): NCCL, one-shot,
-two-shot. Rank 0 prints the table and the thresholds it measures for this GPU count, in
+two-shot; and the same calls launched one by one without a graph (`calls` x `replays` of them between the events:
+what an eager forward pays). The thresholds come from the graph timings. Rank 0 prints the table and the thresholds it measures for this GPU count, in
 `DEFAULT_THRESHOLDS`' form: one-shot up to the largest size below which it is fastest throughout,
 two-shot (or one-shot) up to the largest size below which the faster custom kernel beats NCCL throughout.
 """
@@ -158,6 +159,24 @@ def time_graph(run, x: torch.Tensor, calls: int, replays: int) -> float:
     return statistics.median(times)
 
 
+def time_eager(run, x: torch.Tensor, calls: int, replays: int) -> float:
+    """Microseconds per call of `calls` x `replays` in-place all-reduces launched one by one from Python (no
+    graph: each call pays its launch and the host work before it), median of 3."""
+    x.normal_(std=1e-3)
+    run(x)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays * calls):
+            run(x)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
+    return statistics.median(times)
+
+
 def measured_thresholds(rows: list[dict]) -> Thresholds:
     """Custom up to the largest size below which the faster custom kernel beats NCCL at every size; one-shot
     up to the largest size (within that) below which one-shot is never slower than two-shot."""
@@ -177,21 +196,29 @@ def bench(group: TPGroup, custom, args) -> list[dict]:
     rows = []
     for nbytes in sizes(args.max_mib * MIB):
         x = torch.empty(nbytes // DTYPE.itemsize, dtype=DTYPE, device=custom.buffer.device)
-        row = {"bytes": nbytes, "nccl": time_graph(lambda t: dist.all_reduce(t), x, args.calls, args.replays)}
+        runs = {"nccl": lambda t: dist.all_reduce(t)}
         if nbytes <= custom.half_bytes:
-            for algo in ALGORITHMS:
-                row[algo] = time_graph(lambda t, a=algo: custom.run(t, a), x, args.calls, args.replays)
+            runs.update({algo: (lambda t, a=algo: custom.run(t, a)) for algo in ALGORITHMS})
+        row = {"bytes": nbytes}
+        for name, run in runs.items():
+            row[name] = time_graph(run, x, args.calls, args.replays)
+            row[f"{name}_eager"] = time_eager(run, x, args.calls, args.replays)
         rows.append(row)
     return rows
 
 
 def table(rows: list[dict], world: int) -> str:
-    lines = [f"all-reduce of bf16 messages over {world} GPUs, us per call inside a CUDA graph",
-             f"{'bytes':>10} {'nccl':>9} {'one-shot':>9} {'two-shot':>9}  fastest"]
+    names = ("nccl", "one_shot", "two_shot")
+    lines = [f"all-reduce of bf16 messages over {world} GPUs, us per call: inside a CUDA graph | launched eagerly",
+             f"{'bytes':>10} {'nccl':>9} {'one-shot':>9} {'two-shot':>9}  {'fastest':<9}|"
+             f" {'nccl':>9} {'one-shot':>9} {'two-shot':>9}  fastest"]
     for r in rows:
-        cells = [f"{r[k]:9.2f}" if k in r else f"{'-':>9}" for k in ("nccl", "one_shot", "two_shot")]
-        best = min((k for k in ("nccl", "one_shot", "two_shot") if k in r), key=lambda k: r[k])
-        lines.append(f"{r['bytes']:>10} {' '.join(cells)}  {best}")
+        cells = []
+        for suffix in ("", "_eager"):
+            cells += [f"{r[k + suffix]:9.2f}" if k + suffix in r else f"{'-':>9}" for k in names]
+            best = min((k for k in names if k + suffix in r), key=lambda k: r[k + suffix])
+            cells.append(f" {best:<9}|" if not suffix else f" {best}")
+        lines.append(f"{r['bytes']:>10} {' '.join(cells)}")
     return "\n".join(lines)
 
 
