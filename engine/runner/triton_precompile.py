@@ -251,16 +251,23 @@ class LateCompileLog:
     """After start-up, every Triton specialisation this process compiles (or loads from the disk cache and
     builds a launcher for) stalls the step that launched it. `install` hooks Triton's compile calls and
     logs each one with its time: a warning from `warn_ms`, else at debug level. `count` / `seconds` sum
-    them (what a serving benchmark's outlier steps can be checked against)."""
+    them (what a serving benchmark's outlier steps can be checked against). Until `start_serving`, the
+    compiles are start-up's warm-up generations' (before the server says ready, no request waits): logged
+    at info level as such and counted in `before_ready` only."""
 
     def __init__(self, warn_ms: float = 100.0):
         self.warn_ms, self.count, self.seconds = warn_ms, 0, 0.0
+        self.serving, self.before_ready = False, 0
         self._started: dict[int, float] = {}
         self._site = ""  # the engine code that launched the kernel being compiled
 
     def install(self) -> None:
         knobs.runtime.jit_cache_hook = self._before
         knobs.runtime.jit_post_compile_hook = self._after
+
+    def start_serving(self) -> None:
+        """From here on a compile lands on a request's step."""
+        self.serving = True
 
     def _before(self, *, fn, **_ignored) -> bool:
         self._started[id(fn.jit_function)] = time.perf_counter()
@@ -272,6 +279,11 @@ class LateCompileLog:
         if started is None:
             return
         ms = (time.perf_counter() - started) * 1e3
+        if not self.serving:
+            self.before_ready += 1
+            log.info("Triton compiled %s before ready, in start-up's warm-up generations: %.0f ms, from %s (%s)",
+                     fn.name, ms, self._site, describe_specialisation((compile or {}).get("specialization_data", "")))
+            return
         self.count, self.seconds = self.count + 1, self.seconds + ms / 1e3
         level = logging.WARNING if ms >= self.warn_ms else logging.DEBUG
         log.log(level, "Triton compiled %s while serving: %.0f ms in the step that launched it, from %s (%s)",

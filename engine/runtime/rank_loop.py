@@ -285,6 +285,7 @@ def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], 
         with timed(engine.startup, "warm-up generations"):
             _warm_up(engine)
         engine.runner.reset_expert_load()  # the counts start with serving
+        engine.runner.late_compiles.start_serving()  # a compile from here on stalls a request's step
         _log_startup(rank, entered_after, engine.startup)
     except BaseException as exc:  # noqa: BLE001 - report any startup failure to the server
         msg = str(exc) if isinstance(exc, DsctlError) else traceback.format_exc()

@@ -70,7 +70,8 @@ def test_a_process_with_background_compiles_exits_at_once(tmp_path, compiling, c
 
 def test_late_compiles_are_logged_with_their_time(caplog, monkeypatch):
     """The installed hooks, called as Triton calls them around an in-process compile: the compile goes ahead
-    (the cache hook returns False), a slow one is a warning naming the kernel, a fast one only debug."""
+    (the cache hook returns False); before `start_serving` (start-up's warm-up generations) a compile is an
+    info line and not counted; after it a slow one is a warning naming the kernel, a fast one only debug."""
     from types import SimpleNamespace
 
     import triton.language as tl
@@ -79,7 +80,7 @@ def test_late_compiles_are_logged_with_their_time(caplog, monkeypatch):
 
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
-    clock = iter([10.0, 10.25, 20.0, 20.01])
+    clock = iter([1.0, 1.5, 10.0, 10.25, 20.0, 20.01])
     monkeypatch.setattr("engine.runner.triton_precompile.time.perf_counter", lambda: next(clock))
     late = LateCompileLog(warn_ms=100)
     late.install()
@@ -87,13 +88,21 @@ def test_late_compiles_are_logged_with_their_time(caplog, monkeypatch):
     data = serialize_specialization_data("_extend_fwd", {"q_ptr": "*bf16", "n": "i32", "BLOCK": "constexpr"},
                                          {(2,): tl.constexpr(64)}, {(0,): [["tt.divisibility", 16]]},
                                          SimpleNamespace(num_warps=8), "key", SimpleNamespace(backend="cuda"))
+    def compile_one(fn, compile):
+        assert knobs.runtime.jit_cache_hook(key=0, repr="r", fn=fn, compile=compile, is_manual_warmup=False,
+                                            already_compiled=False) is False
+        knobs.runtime.jit_post_compile_hook(key=0, repr="r", fn=fn, compile=compile, is_manual_warmup=False,
+                                            already_compiled=False)
+
     with caplog.at_level(logging.DEBUG, logger="engine.runner.triton_precompile"):
+        # start-up's warm-up generations: before ready, an info line, not counted as late
+        compile_one(SimpleNamespace(name="_mla_rope_cache_kernel", jit_function=object()), {})
+        early = [r for r in caplog.records if "_mla_rope_cache_kernel" in r.getMessage()]
+        assert [r.levelno for r in early] == [logging.INFO] and "before ready" in early[0].getMessage()
+        assert "500 ms" in early[0].getMessage() and late.before_ready == 1 and late.count == 0
+        late.start_serving()
         for fn in (slow, fast):
-            compile = {"specialization_data": data}
-            assert knobs.runtime.jit_cache_hook(key=0, repr="r", fn=fn, compile=compile, is_manual_warmup=False,
-                                                already_compiled=False) is False
-            knobs.runtime.jit_post_compile_hook(key=0, repr="r", fn=fn, compile=compile, is_manual_warmup=False,
-                                                already_compiled=False)
+            compile_one(fn, {"specialization_data": data})
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "_extend_fwd" in warnings[0] and "250 ms" in warnings[0]
     assert "divisible by 16: q_ptr; constants: BLOCK=64" in warnings[0]  # what tells this specialisation apart
