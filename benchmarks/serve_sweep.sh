@@ -19,6 +19,15 @@ read -r -a layout_flags <<< "$(python3 benchmarks/layouts.py "$LAYOUT")" || exit
 layers=(); [ "$LAYERS" != full ] && layers=(--num-layers "$LAYERS")
 # copy bandwidth for the bytes floor of the table's last column, measured before the server takes the memory
 bw=$(python3 -c "import sys; sys.path.insert(0, '.'); from engine.distributed.step_floor import copy_bandwidth; print(copy_bandwidth())" 2>/dev/null || echo nan)
+# A server started right after another one exited can find that one's ranks still holding GPU memory (the
+# memory plan then shrinks the pool or refuses to start): wait, up to IDLE_WAIT_S, for every GPU to hold less
+# than IDLE_MIB.
+gpu_busy_mib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | sort -n | tail -1; }
+for _ in $(seq $(( ${IDLE_WAIT_S:-60} * 2 ))); do
+    used=$(gpu_busy_mib); [ -z "$used" ] || [ "$used" -lt "${IDLE_MIB:-4096}" ] && break
+    sleep 0.5
+done
+[ -n "$used" ] && [ "$used" -ge "${IDLE_MIB:-4096}" ] && echo "$TAG: warning: a GPU still holds $used MiB at start"
 start=$(date +%s.%N)
 # shellcheck disable=SC2086
 (cd "$TREE" && exec python3 -m dsctl serve --model "$MODEL" --load-format dummy "${layers[@]}" --port "$PORT" \
@@ -30,7 +39,8 @@ for _ in $(seq $(( ${HEALTH_WAIT_S:-300} * 2 ))); do  # a cold start at full dep
     sleep 0.5
 done
 curl -sf "127.0.0.1:$PORT/health" >/dev/null || { echo "$TAG: server not healthy"; tail -30 "$OUT/$TAG-serve.log"; kill $pid; exit 1; }
-echo "$TAG: healthy after $(python3 -c "import time; print(round(time.time() - $start, 1))") s"
+healthy_s=$(python3 -c "import time; print(round(time.time() - $start, 1))")
+echo "$TAG: healthy after $healthy_s s"
 cpu_s() { awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 kv() { curl -sf "127.0.0.1:$PORT/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
 for c in $CONCS; do
@@ -61,11 +71,14 @@ echo "$TAG: Triton compiles while serving: $(grep -c "compiled .* while serving"
 grep "compiled .* while serving" "$OUT/$TAG-serve.log" | head -5
 MAXRUN=${MAXRUN:-256}  # the server's --max-running-requests (its default; per DP group)
 quant=none; case " $EXTRA " in *" --quantization fp8 "*) quant=fp8 ;; *" --quantization w4afp8 "*) quant=w4afp8 ;; esac
-python3 - "$OUT/$TAG.jsonl" "$TAG" "$MODEL" "$LAYERS" "$bw" "$MAXRUN" "$LAYOUT" "$quant" <<'PY'
+kv_bytes=2; case " $EXTRA " in *" --kv-cache-dtype fp8"*) kv_bytes=1 ;; esac
+python3 - "$OUT/$TAG.jsonl" "$TAG" "$MODEL" "$LAYERS" "$bw" "$MAXRUN" "$LAYOUT" "$quant" "$healthy_s" "$EXTRA" \
+    "$OUT/$TAG-serve.log" "$kv_bytes" <<'PY'
 import json, math, os, sys
 sys.path.insert(0, ".")
 from engine.distributed.step_floor import serving_floor_ms
 from benchmarks.layouts import split
+from benchmarks.layout_table import summary
 rows = [json.loads(l) for l in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []  # CONCS=: none
 model, layers, bw, maxrun = sys.argv[3], (0 if sys.argv[4] == "full" else int(sys.argv[4])), float(sys.argv[5]), int(sys.argv[6])
 tp, dp = split(sys.argv[7])
@@ -80,10 +93,16 @@ for r in rows:
     s = lambda k, q: (r.get(k) or {}).get(q, float('nan'))
     conc = f(r)['max_concurrency']
     ctx = f(r)['random_input_len'] + f(r)['random_output_len'] // 2
-    floor = (serving_floor_ms(model, layers, min(conc, maxrun), ctx, bw, tp, dp, quantization=sys.argv[8])
+    floor = (serving_floor_ms(model, layers, min(conc, maxrun), ctx, bw, tp, dp, quantization=sys.argv[8],
+                              kv_bytes=int(sys.argv[12]))
              if not math.isnan(bw) else float('nan'))
     print(f"{conc:>5} {r['completed']:>5} {r['failed']:>4} {r['output_throughput']:9.0f} "
           f"{s('ttft_ms','median'):9.1f} {s('ttft_ms','p99'):9.1f} {s('itl_ms','median'):8.2f} {s('itl_ms','p99'):8.2f} "
           f"{s('tpot_ms','median'):8.2f} {floor:8.2f} {s('itl_ms','median') / floor:11.2f} "
           f"{r.get('client_processes', 1)}x{100 * (r.get('client_busy') or float('nan')):3.0f}%")
+    r["floor_ms"] = floor
+# one JSON line for benchmarks/layout_table.py: start-up, memory, and every level with its floor
+with open(sys.argv[1][:-len(".jsonl")] + ".summary.json", "w") as out:
+    log = open(sys.argv[11], errors="replace").read() if os.path.exists(sys.argv[11]) else ""
+    json.dump(summary(sys.argv[2], sys.argv[7], model, sys.argv[10], float(sys.argv[9]), bw, log, rows), out)
 PY

@@ -75,15 +75,16 @@ def step_floor_s(cfg: ModelConfig, n_layers: int, bs: int, ctx: int, kv_bytes: i
 
 
 def serving_floor_ms(model: str, n_layers: int, bs: int, ctx: int, bw: float, tp: int = 1, dp: int = 1,
-                     quantization: str = "none") -> float:
+                     quantization: str = "none", kv_bytes: int = 2) -> float:
     """The bytes floor of one decode step of a served registry model (dummy weights: FP8 where the
     checkpoint is block-FP8 or under --quantization fp8 / w4afp8, INT4 routed experts under w4afp8, else bf16;
-    bf16 KV) at batch bs and context ctx, in ms, per GPU of the layout."""
+    a bf16 KV cache, or `kv_bytes` per element: 1 for an FP8 one) at batch bs and context ctx, in ms, per GPU
+    of the layout."""
     cfg = parse_config(lookup(model).config_dict())
     if quantization == "w4afp8":
         cfg = cfg.with_int4_experts()  # keeps a W4AFP8 checkpoint's own group
     weight_bytes = 1 if cfg.fp8 or quantization in ("fp8", "w4afp8") else 2
-    return step_floor_s(cfg, n_layers or cfg.num_hidden_layers, bs, ctx, 2, bw, weight_bytes, tp, dp) * 1e3
+    return step_floor_s(cfg, n_layers or cfg.num_hidden_layers, bs, ctx, kv_bytes, bw, weight_bytes, tp, dp) * 1e3
 
 
 def copy_bandwidth(device: Union[str, torch.device] = "cuda") -> float:

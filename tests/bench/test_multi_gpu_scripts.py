@@ -11,7 +11,7 @@ from benchmarks import bench_collectives, multi_gpu_check, multi_gpu_tables
 from benchmarks.layouts import cli_flags, engine_flags, split
 from engine.checkpoint.config import parse_config
 from engine.checkpoint.registry import lookup
-from engine.distributed.step_floor import step_floor_s
+from engine.distributed.step_floor import serving_floor_ms, step_floor_s
 
 
 def test_layout_names_map_to_flags():
@@ -35,6 +35,11 @@ def test_per_gpu_floor_follows_the_layout():
     # group's KV (fewer bytes once the cache dominates)
     assert floor(32, 512, tp=2, dp=2) > floor(32, 512, tp=2)
     assert floor(256, 32768, tp=2, dp=2) < 0.7 * floor(256, 32768, tp=2)
+    # an FP8 cache: the weights' bytes the same, the cache's halved
+    served = [serving_floor_ms("deepseek-v2", 0, bs, 1152, bw, 4, quantization="fp8", kv_bytes=kv)
+              for bs in (1, 256) for kv in (2, 1)]
+    kv_part = served[2] - served[3]  # bf16 minus fp8 at batch 256: half of the bf16 cache's bytes
+    assert kv_part > 0.1 * served[2] and abs((served[0] - served[1]) - kv_part / 256) < 1e-9
 
 
 def _run(tokens, logprobs=None, top=None, failed=()):
@@ -92,3 +97,33 @@ def test_onebatch_table_compares_each_layout_with_tp1(tmp_path, capsys):
     multi_gpu_tables.onebatch(str(path), 4e12)
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tp")]
     assert [(cells[0], cells[-1]) for cells in lines] == [("tp1", "1.00"), ("tp2", "1.50"), ("tp2-dp2", "1.20")]
+
+
+def test_layout_table_reads_the_sweeps_and_divides_by_the_baseline(tmp_path):
+    """serve_sweep.sh's summaries (start-up, memory from the rank-0 and DP lines of the server log, the levels)
+    in one table: the batch-1 step over its floor, tok/s over the baseline's level by level, failures summed."""
+    from benchmarks import layout_table
+
+    def record(conc, tok_s, tpot, failed=0, floor=None):
+        return {"flags": {"max_concurrency": conc}, "completed": 8 - failed, "failed": failed,
+                "output_throughput": tok_s, "ttft_ms": {"median": 70.0}, "itl_ms": {"median": tpot, "p99": 2 * tpot},
+                "tpot_ms": {"median": tpot}, **({"floor_ms": floor} if floor else {})}
+
+    tp_log = "x engine rank 0 INFO rank 0: weights 59.88 GB, KV pool 923900 tokens (63.86 GB); start-up ..."
+    dp_log = ("x engine rank 0 INFO rank 0: weights 67.68 GB, KV pool 786639 tokens (54.37 GB)\n"
+              "x engine rank 0 INFO KV cache: 4 DP attention groups x 786639 tokens = 3146556 tokens in all")
+    sweeps = {"tp4": layout_table.summary("tp4", "tp4", "deepseek-v2", "", 71.3, 4.1e12, tp_log,
+                                          [record(1, 117.0, 8.2, floor=1.64), record(256, 3923.0, 40.0)]),
+              "tp4-dp4": layout_table.summary("tp4-dp4", "tp4-dp4", "deepseek-v2", "", 46.8, float("nan"), dp_log,
+                                              [record(1, 75.0, 12.5), record(256, 3206.0, 41.5, failed=2)])}
+    assert sweeps["tp4-dp4"]["dp_groups"] == 4 and sweeps["tp4-dp4"]["kv_tokens_per_rank"] == 786639
+    assert sweeps["tp4"]["weights_gb"] == 59.88 and sweeps["tp4-dp4"]["copy_bandwidth"] is None
+    for tag, s in sweeps.items():
+        (tmp_path / f"{tag}.summary.json").write_text(json.dumps(s))
+    rows = layout_table.table(layout_table.load(str(tmp_path)), baseline="tp4").splitlines()
+    assert rows[0].startswith("| layout | healthy s |") and "tok/s c=256" in rows[0] and "c=1 |" not in rows[0]
+    tp, dp = (next(r for r in rows if r.startswith(f"| {tag} |")) for tag in ("tp4", "tp4-dp4"))
+    assert "| 8.20 (1.64) | 5.00 |" in tp and "3,923 (1.00x)" in tp and tp.endswith("| 0 of 16 |")
+    assert "786,639 x 4" in dp and "| 12.50 (-) | - |" in dp and "3,206 (0.82x)" in dp and dp.endswith("| 2 of 16 |")
+    with pytest.raises(SystemExit, match="no sweep tagged"):
+        layout_table.table(layout_table.load(str(tmp_path)), baseline="tp8")
