@@ -139,6 +139,26 @@ def test_plan_and_runner_size_the_pool_by_one_rule():
     assert sum(plan.reserve.values()) - sum(one_gpu.reserve.values()) == pytest.approx(0.41 * GB)  # NCCL
 
 
+def test_memory_other_processes_hold_is_named():
+    """A GPU part-held by another process (a server still exiting): a plan that fits beside it warns what it
+    costs in KV tokens; one that no longer fits is refused with the held GB in the reason and freeing it as the
+    first fix, with the tokens an idle GPU gives; below OTHERS_NOTED nothing is said."""
+    idle = plan_memory(v2_spec())
+    busy = plan_memory(v2_spec(gpu_used_bytes=4 * GB))
+    v = judge(busy)
+    assert v.fits and v.pool == busy.pool_tokens
+    (held,) = [w for w in v.warnings if "other processes" in w]
+    lost = idle.pool_tokens - busy.pool_tokens
+    assert "4.0 GB" in held and f"{lost:,} tokens per DP group smaller" in held and f"({idle.pool_tokens:,})" in held
+    assert abs(lost * idle.kv_per_token - 4 * GB) < idle.kv_per_token  # the held bytes, in tokens
+    full = judge(plan_memory(v2_spec(gpu_used_bytes=60 * GB)))
+    assert not full.fits and "60.0 GB of the GPU held by other processes" in full.reason
+    assert full.fixes[0].flags.startswith("free the 60.0 GB other processes hold")
+    assert full.fixes[0].tokens == idle.memory_tokens
+    quiet = judge(plan_memory(v2_spec(gpu_used_bytes=0.5 * GB)))
+    assert not any("other processes" in w for w in quiet.warnings)
+
+
 def test_max_model_len_speaks_first():
     """A pool below --min-kv-tokens and shorter than --max-model-len: the refusal names the length the user
     gave, offers no shorter length (that would fail --min-kv-tokens), and every fix gives room for it."""
@@ -203,6 +223,36 @@ def test_launch_check_refuses_with_the_plan_reason(monkeypatch):
     with pytest.raises(UsageError, match="drop --enable-dp-attention: 1[34][0-9],[0-9]{3} KV tokens"):
         launch_checks.check_launch(args)
     launch_checks.check_launch(args.replace(enable_dp_attention=False))
+
+
+def test_runner_refuses_before_loading_when_others_hold_the_memory(monkeypatch):
+    """The rank's check before any weight is read (ModelRunner._memory_held_elsewhere, CUDA only: run here on a
+    stand-in runner with CUDA's free-memory answer faked): 60 GB held elsewhere on an H100 refuses V2 at --tp 4
+    with the held memory in the reason; 4 GB is returned for the pool check; an idle GPU gives 0."""
+    from types import MethodType, SimpleNamespace
+
+    from engine.args import EngineArgs
+    from engine.checkpoint.resolve import resolve_model
+    from engine.memory.plan import CUDA_CONTEXT_BYTES
+    from engine.runner import model_runner
+
+    args = EngineArgs.of(model="deepseek-v2", load_format="dummy", quantization="fp8", tp_size=4)
+    resolved = resolve_model(args.model)
+    tp = SimpleNamespace(size=4, dp_size=1, ep_size=1)  # rank 0 of 4; the max over ranks: this rank's value
+    runner = SimpleNamespace(device=torch.device("cuda"), parallel=SimpleNamespace(tp=tp), resolved=resolved,
+                             args=args, config=resolved.config, fp8_block=(128, 128))
+    runner._plan_spec = MethodType(model_runner.ModelRunner._plan_spec, runner)
+    monkeypatch.setattr(model_runner, "all_reduce_min_int", lambda value, group: value)
+    monkeypatch.setattr(model_runner.torch.cuda, "device_count", lambda: 8)
+    held = model_runner.ModelRunner._memory_held_elsewhere
+    for others, expect in ((60 * GB, None), (4 * GB, 4 * GB), (0.0, 0.0)):
+        monkeypatch.setattr(model_runner.torch.cuda, "mem_get_info",
+                            lambda _, o=others: (H100 - o - CUDA_CONTEXT_BYTES, H100))
+        if expect is None:
+            with pytest.raises(UsageError, match="60.0 GB of the GPU held by other processes.*free the 60.0 GB"):
+                held(runner)
+        else:
+            assert held(runner) == pytest.approx(expect, abs=1)
 
 
 def test_dry_run_exit_codes():

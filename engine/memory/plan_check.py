@@ -8,7 +8,9 @@ it allocated as `pool`):
 - a DP group's pool below `--min-kv-tokens`: refuse;
 - `--max-model-len` not given and the pool is shorter than the model's context: the context limit becomes
   the pool (a warning);
-- the pool holds fewer than `--max-running-requests` requests of `TYPICAL_REQUEST_TOKENS`: a warning.
+- the pool holds fewer than `--max-running-requests` requests of `TYPICAL_REQUEST_TOKENS`: a warning;
+- other processes hold at least `OTHERS_NOTED` of the GPU (a server still exiting, another job): every message
+  says how much, freeing it is the first fix offered, and a plan that fits warns what it costs in KV tokens.
 
 A fix is the plan re-run with one change (drop DP attention, an FP8 KV cache, INT4 experts, FP8 weights,
 more GPUs; then pairs of them when no single one does it); it is named only when it would pass the rule,
@@ -26,6 +28,8 @@ from engine.args import ModelArgs
 from engine.distributed.divisibility import working_tp_sizes
 from engine.memory.formats import FP8_BLOCK, quantization_for
 from engine.memory.plan import GB, TYPICAL_REQUEST_TOKENS, MemoryPlan, replan
+
+OTHERS_NOTED = 1 * GB  # memory other processes hold on a GPU that the messages name (below: noise)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,9 @@ def _candidates(plan: MemoryPlan) -> list[tuple[str, dict]]:
     """(flags, spec changes) of every single change that could give the KV pool more room."""
     s, cfg = plan.spec, plan.spec.cfg
     out = []
+    if s.gpu_used_bytes >= OTHERS_NOTED:
+        out.append((f"free the {s.gpu_used_bytes / GB:.1f} GB other processes hold on the GPU (a server still "
+                    "exiting frees its memory within seconds)", {"gpu_used_bytes": 0.0}))
     if s.dp > 1:
         out.append(("drop --enable-dp-attention", {"dp": 1}))
     if s.kv_dtype_bytes > 1:
@@ -109,7 +116,9 @@ def _summary(plan: MemoryPlan, pool: int) -> str:
     s = plan.spec
     return (f"{s.model_name} at {s.layout_flags()} ({s.quant.name} weights, "
             f"{'fp8' if s.kv_dtype_bytes == 1 else 'bf16'} KV) on {s.gpu_bytes / GB:.0f} GB GPUs: "
-            f"{plan.weight_bytes / GB:.1f} GB of weights per GPU, a KV pool of {pool:,} tokens per DP group")
+            f"{plan.weight_bytes / GB:.1f} GB of weights per GPU, a KV pool of {pool:,} tokens per DP group"
+            + (f", {s.gpu_used_bytes / GB:.1f} GB of the GPU held by other processes"
+               if s.gpu_used_bytes >= OTHERS_NOTED else ""))
 
 
 def _too_short(plan: MemoryPlan, v: Verdict, have: int, pool: Optional[int]) -> Verdict:
@@ -152,6 +161,10 @@ def judge(plan: MemoryPlan, pool: Optional[int] = None) -> Verdict:
     if not s.max_model_len and have < s.cfg.max_position_embeddings:
         v.warnings.append(f"the context limit becomes {have:,} tokens, what a DP group's KV pool holds (the model "
                           f"allows {s.cfg.max_position_embeddings:,}); give --max-model-len to choose it")
+    if s.gpu_used_bytes >= OTHERS_NOTED:
+        idle = _tokens(plan, replan(plan, gpu_used_bytes=0.0), pool)
+        v.warnings.append(f"other processes hold {s.gpu_used_bytes / GB:.1f} GB of the GPU: the KV pool is "
+                          f"{idle - have:,} tokens per DP group smaller than on an idle GPU ({idle:,})")
     typical = min(TYPICAL_REQUEST_TOKENS, limit)
     if have < s.max_running_requests * typical:
         need = s.max_running_requests * typical

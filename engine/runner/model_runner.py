@@ -33,8 +33,8 @@ from engine.distributed.expert_placement import ExpertPlacement, placement_for
 from engine.distributed.groups import ParallelState, single_process
 from engine.errors import UsageError
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.memory.plan import kv_pool_tokens, plan_memory, spec_from_args
-from engine.memory.plan_check import judge
+from engine.memory.plan import PlanSpec, kv_pool_tokens, plan_memory, spec_from_args, used_by_others
+from engine.memory.plan_check import OTHERS_NOTED, judge
 from engine.memory.pools import KVPool, ReqToTokenPool, kv_row_dim
 from engine.model.builder import build_model
 from engine.model.context import ForwardContext
@@ -61,7 +61,7 @@ from engine.runner.triton_precompile import (
     default_workers,
     record,
 )
-from engine.weights.loader import iter_params
+from engine.weights.loader import has_mtp_layer, iter_params
 from engine.weights.w4afp8 import with_int4_experts
 from kernels import pdl, tuned_configs
 from kernels.fp8_math import WEIGHT_BLOCK
@@ -151,6 +151,7 @@ class ModelRunner:
                                  fp8_block=self.fp8_block, group=self.parallel.tp)
         self.kernel_choice = self._pick_backends()
         self.kernels = build_kernels(self.kernel_choice, self.setup)
+        self.others_bytes = self._memory_held_elsewhere()
         phases = {}
         with timed(phases, "weights"):
             self._build_model(draft)
@@ -345,16 +346,36 @@ class ModelRunner:
         # the memory plan's rule (engine/memory/plan.py); too few tokens: `_check_pool` refuses, with the fixes
         return kv_pool_tokens(total, total - free, self.args.cache.mem_fraction_static, per_token)
 
+    def _memory_held_elsewhere(self) -> float:
+        """Bytes other processes hold on the busiest GPU of the group before any weight is read (a server still
+        exiting, another job; 0 on CPU). Where the memory plan no longer fits beside them, refuse now with the
+        reason and the fixes (every rank the same verdict), not with an out-of-memory error while loading."""
+        if self.device.type != "cuda":
+            return 0.0
+        free, total = torch.cuda.mem_get_info(self.device)
+        tp = self.parallel.tp
+        others = float(-all_reduce_min_int(-int(used_by_others(total, free)), tp))
+        if others >= OTHERS_NOTED:
+            r = self.resolved
+            verdict = judge(plan_memory(self._plan_spec(total, others, has_mtp_layer(r.config, None if r.dummy else r.path))))
+            if not verdict.fits:
+                raise UsageError(verdict.reason)
+        return others
+
+    def _plan_spec(self, gpu_bytes: float, others: float, mtp: bool) -> PlanSpec:
+        """The memory plan's input for this rank's layout on a GPU of `gpu_bytes`, `others` held elsewhere."""
+        tp = self.parallel.tp
+        return spec_from_args(self.args, self.config, tp=tp.size, dp=tp.dp_size, ep=tp.ep_size,
+                              fp8_block=self.fp8_block, mtp=mtp,
+                              gpu_bytes=gpu_bytes, gpu_used_bytes=others,
+                              gpus_per_node=max(1, torch.cuda.device_count()))
+
     def _check_pool(self, size: int) -> None:
         """The memory plan's rules (engine/memory/plan_check.py) on the pool just sized, with the smallest DP
         group's real token count: refuse (UsageError naming the fixes and their KV tokens), or serve with the
         context limit it allows; the warnings are logged by rank 0."""
-        tp = self.parallel.tp
-        pool = all_reduce_min_int(size, tp)
-        spec = spec_from_args(self.args, self.config, tp=tp.size, dp=tp.dp_size, ep=tp.ep_size,
-                              fp8_block=self.fp8_block, mtp=self.mtp is not None,
-                              gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
-                              gpus_per_node=max(1, torch.cuda.device_count()))
+        pool = all_reduce_min_int(size, self.parallel.tp)
+        spec = self._plan_spec(torch.cuda.mem_get_info(self.device)[1], self.others_bytes, self.mtp is not None)
         verdict = judge(plan_memory(spec), pool=pool)
         if not verdict.fits:
             raise UsageError(verdict.reason)
