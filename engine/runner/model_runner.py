@@ -357,7 +357,8 @@ class ModelRunner:
         others = float(-all_reduce_min_int(-int(used_by_others(total, free)), tp))
         if others >= OTHERS_NOTED:
             r = self.resolved
-            verdict = judge(plan_memory(self._plan_spec(total, others, has_mtp_layer(r.config, None if r.dummy else r.path))))
+            mtp = has_mtp_layer(r.config, None if r.dummy else r.path)
+            verdict = judge(plan_memory(self._plan_spec(total, others, mtp)))
             if not verdict.fits:
                 raise UsageError(verdict.reason)
         return others
