@@ -563,6 +563,10 @@ class ServerArgs:
         "finish_reason abort (a second signal ends them at once).",
     )
     log_level: str = flag("info", "Server log level.", choices=("debug", "info", "warning", "error"))
+    profile_dir: Optional[str] = flag(
+        None, "Where POST /start_profile and POST /stop_profile write torch.profiler traces (one Chrome trace "
+        "per rank, with its collectives' time and how much of it was exposed); unset: those routes answer 404.",
+    )
     dry_run: bool = flag(
         False, "Print the memory plan (weights, KV pool, context limit per GPU and DP group) and exit, reading no "
         "weight and needing no GPU (--gpu-memory-gb): exit 0 when it fits, 2 with the reason and the fixes.",

@@ -28,9 +28,12 @@ from engine.runtime.protocol import (
     EngineInfo,
     EngineStats,
     ExpertLoadUpdate,
+    ProfileWritten,
     ReportExpertLoad,
     RequestOutput,
+    StartProfile,
     StepOutputs,
+    StopProfile,
 )
 from engine.runtime.ranks import EngineRankError, EngineRanks
 from engine.sampling import SamplingParams
@@ -69,6 +72,8 @@ class EngineClient:
         self.stats = EngineStats()
         self.expert_load: Optional[ExpertLoadUpdate] = None  # the latest routing counts (--record-expert-load)
         self._load_waiters: list[asyncio.Future] = []
+        self.profiling: Optional[str] = None  # the stamp of the profile the ranks are recording (POST /start_profile)
+        self._profile_waiter: Optional[asyncio.Future] = None
         self.dead_reason: Optional[str] = None
         self.startup_failed = False
         self.pending: set[str] = set()  # submitted, no output yet (waiting to be scheduled)
@@ -162,6 +167,24 @@ class EngineClient:
         self._load_waiters.append(waiter)
         return await asyncio.wait_for(waiter, timeout)
 
+    def start_profile(self, stamp: str) -> None:
+        """Tell every rank to start recording a profile (between two steps); the caller checks `profiling`."""
+        if not self.healthy:
+            raise EngineUnavailable("the engine is not serving")
+        self.profiling = stamp
+        self._outq.put(StartProfile(stamp))
+
+    async def stop_profile(self, timeout: float = 120.0) -> ProfileWritten:
+        """Tell every rank to stop and write its profile; wait for their summaries (writing a long trace takes
+        seconds)."""
+        if not self.healthy:
+            raise EngineUnavailable("the engine is not serving")
+        self.profiling = None
+        if self._profile_waiter is None or self._profile_waiter.done():
+            self._profile_waiter = self._loop.create_future()
+            self._outq.put(StopProfile())
+        return await asyncio.wait_for(asyncio.shield(self._profile_waiter), timeout)
+
     def abort(self, rid: str) -> None:
         if self._routes.pop(rid, None) is not None:
             self.pending.discard(rid)
@@ -230,6 +253,9 @@ class EngineClient:
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_result(msg)
+        elif isinstance(msg, ProfileWritten):
+            if self._profile_waiter is not None and not self._profile_waiter.done():
+                self._profile_waiter.set_result(msg)
         elif isinstance(msg, AddFailed):
             self.pending.discard(msg.rid)
             route = self._routes.pop(msg.rid, None)

@@ -1,9 +1,10 @@
 """The messages the serving process and the engine process exchange (plain picklable dataclasses).
 
-Serving -> engine: AddRequest, AbortRequest, Shutdown.
+Serving -> engine: AddRequest, AbortRequest, Shutdown, ReportExpertLoad, StartProfile, StopProfile.
 Engine -> serving: EngineInfo (once, when the model is loaded), StepOutputs (after
 every scheduler step: the new tokens of each request that moved, plus EngineStats),
-AddFailed (a request the scheduler refused), EngineFailed (startup failure or crash).
+AddFailed (a request the scheduler refused), EngineFailed (startup failure or crash), ExpertLoadUpdate and
+ProfileWritten (answers).
 `RequestOutput`, the per-request delta, is the engine's own (engine/scheduler/output.py):
 the offline Engine consumes the same deltas.
 """
@@ -45,7 +46,26 @@ class ReportExpertLoad:
     answers with an ExpertLoadUpdate."""
 
 
+@dataclass
+class StartProfile:
+    """Every rank starts torch.profiler (engine/runtime/profiling.py); `stamp` names the files of this profile."""
+
+    stamp: str
+
+
+@dataclass
+class StopProfile:
+    """Every rank stops its profile and writes its trace; rank 0 answers with a ProfileWritten."""
+
+
 # ---- engine -> serving -----------------------------------------------------
+@dataclass
+class ProfileWritten:
+    """Each rank's profile summary (engine/runtime/profiling.py CommSummary, as dicts), rank order."""
+
+    ranks: list[dict]
+
+
 @dataclass
 class ExpertLoadUpdate:
     """The job's routing counts since it became ready (None: --record-expert-load is off); sent on request and

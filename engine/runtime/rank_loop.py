@@ -26,6 +26,10 @@ that have none, run idle ones), and then joins the others' remaining forwards un
 (engine/distributed/dp_sync.py `DPSync.finish_iteration`), so the ranks' collectives always pair
 up, whatever mix of prefill, decode and speculative steps the groups run.
 Then rank 0 gathers every group's deltas and stats and sends them as one StepOutputs.
+
+Control messages reach every rank the same way, between two steps: ReportExpertLoad (the summed routing
+counts) and StartProfile / StopProfile (torch.profiler on every rank, engine/runtime/profiling.py), each answered
+by rank 0 after a collective.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from engine.runner.model_runner import timed
 from engine.runtime import protocol
 from engine.runtime.dp_controller import DPController, waiting_tokens
 from engine.runtime.process_clock import process_age_s
+from engine.runtime.profiling import RankProfiler, as_json
 from engine.sampling import SamplingParams
 
 log = logging.getLogger("dsctl.engine")
@@ -82,6 +87,8 @@ class EngineLoop:
         self.dp = self.tp.dp_size > 1
         self._deferred: list = []  # DP attention: messages for the serving process, sent through rank 0
         self.sent_outputs = 0  # step outputs sent (every rank counts the same: they send in step)
+        runner = engine.runner
+        self.profiler = RankProfiler(engine.args.server.profile_dir or "", runner.parallel.world_rank, runner.device)
         self.controller = None
         if self.dp and self.tp.is_first:
             self.controller = DPController(self.tp.dp_size, engine.args.parallel.load_balance_method)
@@ -100,6 +107,10 @@ class EngineLoop:
             self.engine.scheduler.abort(msg.rid)
         elif isinstance(msg, protocol.ReportExpertLoad):
             self.report_expert_load()
+        elif isinstance(msg, protocol.StartProfile):
+            self.profiler.start(msg.stamp)
+        elif isinstance(msg, protocol.StopProfile):
+            self.stop_profile()
         elif isinstance(msg, protocol.Shutdown):
             self.engine.scheduler.abort_all()
             self.send_outputs()
@@ -125,6 +136,12 @@ class EngineLoop:
         report = self.engine.runner.expert_load_report()
         if self.outbox is not None:
             self.outbox.send(protocol.ExpertLoadUpdate(report))
+
+    def stop_profile(self) -> None:
+        """Every rank at the same point (a collective): write its profile; rank 0 sends every rank's summary."""
+        every = gather_objects(self.profiler.stop(), self.tp)
+        if self.outbox is not None:
+            self.outbox.send(protocol.ProfileWritten(as_json(every)))
 
     def send_outputs(self) -> None:
         """Send the deltas gathered since the last call, and the stats (and, every EXPERT_LOAD_EVERY calls, the

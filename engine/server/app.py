@@ -1,7 +1,8 @@
 """The starlette application: routes, API-key check, JSON errors, engine lifecycle.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health, GET /metrics, GET /expert_load (with --record-expert-load). With an API key set every route needs it, except
+GET /health, GET /metrics, GET /expert_load (with --record-expert-load), POST /start_profile and POST /stop_profile
+(with --profile-dir). With an API key set every route needs it, except
 /health, which without the key says only `{"status": "ok"}` (200) or
 `{"status": "not ready"}` (503); with the key (or when no key is set) it also
 names the engine's pids, or says why it is not ready. Every error, including
@@ -24,6 +25,7 @@ from starlette.routing import Route
 
 from engine.args import EngineArgs, ServerArgs
 from engine.runtime.client import EngineClient, EngineUnavailable
+from engine.runtime.profiling import profile_stamp
 from engine.server.auth import ApiKeyMiddleware, authorised
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
@@ -86,6 +88,42 @@ async def expert_load(request: Request) -> Response:
     return JSONResponse(update.report.to_json())
 
 
+def _profiling(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    if not state.client.args.server.profile_dir:
+        raise APIError(404, "profiling is off: start the server with --profile-dir DIR", "not_found_error")
+    state.check_accepting()
+    return state
+
+
+async def start_profile(request: Request) -> Response:
+    """POST /start_profile: every rank records a torch.profiler profile until POST /stop_profile."""
+    state = _profiling(request)
+    if state.client.profiling is not None:
+        raise APIError(400, f"a profile ({state.client.profiling}) is already being recorded: POST /stop_profile "
+                       "first", "invalid_request_error")
+    stamp = profile_stamp()
+    try:
+        state.client.start_profile(stamp)
+    except EngineUnavailable as exc:
+        raise unavailable(str(exc)) from None
+    return JSONResponse({"profile": stamp, "directory": state.client.args.server.profile_dir})
+
+
+async def stop_profile(request: Request) -> Response:
+    """POST /stop_profile: every rank writes its trace; the answer lists them with each rank's communication
+    time (engine/runtime/profiling.py)."""
+    state = _profiling(request)
+    stamp = state.client.profiling
+    if stamp is None:
+        raise APIError(400, "no profile is being recorded: POST /start_profile first", "invalid_request_error")
+    try:
+        written = await state.client.stop_profile()
+    except (asyncio.TimeoutError, EngineUnavailable) as exc:
+        raise unavailable(f"the engine did not write its profile: {exc or 'timed out'}") from None
+    return JSONResponse({"profile": stamp, "ranks": written.ranks})
+
+
 async def _api_error(request: Request, exc: APIError) -> Response:
     return exc.response()
 
@@ -137,6 +175,8 @@ def build_app(args: EngineArgs, tokenizer, client: EngineClient | None = None) -
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/expert_load", expert_load, methods=["GET"]),
+        Route("/start_profile", start_profile, methods=["POST"]),
+        Route("/stop_profile", stop_profile, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected})

@@ -91,7 +91,8 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
     """With expert parallelism, redundant experts from a placement file and the routing counts recorded: /metrics
     shows each EP rank's expert load, GET /expert_load the counts per layer and expert, which `dsctl
     place-experts` turns into a placement again. Two-batch overlap on, splitting forwards from 8 tokens: the
-    streams' batches run as two micro-batches, /metrics counts them, the routing counts stay whole."""
+    streams' batches run as two micro-batches, /metrics counts them, the routing counts stay whole. One completion is
+    profiled (POST /start_profile, /stop_profile): both ranks write a trace and count their collectives."""
     from typer.testing import CliRunner
 
     from dsctl.cli import app
@@ -100,12 +101,24 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
     placement = _placement_file(tmp_path / "placement.json", "tiny", ep=2, redundant=2)
     srv = launch("--device", "cpu", "--tp", "2", "--enable-dp-attention", "--dp", "2", "--ep", "2",
                  "--expert-placement", placement, "--record-expert-load", "--enable-two-batch-overlap",
-                 "--two-batch-overlap-min-tokens", "8")
+                 "--two-batch-overlap-min-tokens", "8", "--profile-dir", str(tmp_path / "profiles"))
     try:
         pids = srv.get("/health").json()["engine_pids"]
         assert len(pids) == 2
         assert "2 DP attention groups" in srv.log()  # the KV capacity, printed at start-up
         assert _greedy(srv) == one_process_text
+        assert srv.post("/stop_profile").status_code == 400  # none started
+        started = srv.post("/start_profile")
+        assert started.status_code == 200 and srv.post("/start_profile").status_code == 400  # one at a time
+        srv.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2)  # profiled on both ranks
+        stopped = srv.post("/stop_profile")
+        assert stopped.status_code == 200, stopped.text
+        prof = stopped.json()
+        assert prof["profile"] == started.json()["profile"] and [r["rank"] for r in prof["ranks"]] == [0, 1]
+        for r in prof["ranks"]:  # gloo's collectives (DP gathers, MoE all-reduces) counted on each rank
+            assert not r["error"] and r["source"] == "cpu ops" and os.path.exists(r["trace"]), r
+            assert 0 < r["exposed_comm_ms"] <= r["comm_ms"] < r["busy_ms"] <= r["span_ms"], r
+            assert json.load(open(r["trace"]))["traceEvents"]
         results = _streams(srv, 64)
         failures = [r for r in results if isinstance(r, BaseException)]
         assert not failures, failures[:3]
@@ -113,7 +126,7 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
         m = srv.metrics()
         sent = [m.get(f'dsctl_dp_requests_total{{dp_rank="{g}"}}', 0) for g in (0, 1)]
         assert all(n >= 16 for n in sent), sent  # total_tokens (the default): both groups served requests
-        assert sum(sent) == 64 + len(PROMPTS), sent
+        assert sum(sent) == 64 + len(PROMPTS) + 1, sent  # + the profiled completion
         used = [m.get(f'dsctl_dp_kv_cache_used_tokens{{dp_rank="{g}"}}', -1) for g in (0, 1)]
         assert all(n > 0 for n in used), used  # each group's prefix cache holds its finished streams
         assert all(f'dsctl_dp_kv_load_tokens{{dp_rank="{g}"}}' in m for g in (0, 1)), sorted(m)

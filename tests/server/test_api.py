@@ -50,6 +50,13 @@ def client(server):
 
 
 # ---- discovery and auth ---------------------------------------------------------------------
+def test_profiling_routes_say_which_flag_turns_them_on(server):
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    for path in ("/start_profile", "/stop_profile"):
+        r = httpx.post(server.url + path, headers=headers, timeout=10)
+        assert r.status_code == 404 and "--profile-dir" in r.json()["error"]["message"], r.text
+
+
 def test_models_lists_the_served_name(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
@@ -59,7 +66,7 @@ def test_models_lists_the_served_name(client):
 def test_api_key_is_required_everywhere_but_health(server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     for path, method in (("/v1/models", "GET"), ("/metrics", "GET"), ("/v1/completions", "POST"),
-                         ("/v1/chat/completions", "POST")):
+                         ("/v1/chat/completions", "POST"), ("/start_profile", "POST"), ("/stop_profile", "POST")):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic test-key"}):
             r = httpx.request(method, server.url + path, headers=headers, json={}, timeout=10)
             assert r.status_code == 401, (path, headers)

@@ -1,0 +1,145 @@
+"""On-demand profiles of the serving engine (`POST /start_profile`, `POST /stop_profile`, with --profile-dir).
+
+Every rank runs torch.profiler between the two messages (CPU activity, and CUDA kernels on GPUs) and writes a
+Chrome trace (`<stamp>-rank<k>.trace.json`: chrome://tracing or Perfetto). Each rank also sums, from the same
+events, how much time its collectives took and how much of it nothing else ran beside (`exposed`): the kernels'
+intervals on the GPU (NCCL's, the custom all-reduce's, all-to-all), else the host's top-level operators on CPU
+(gloo). Overlap (two-batch overlap, async collectives) shows as communication time that is not exposed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterable, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# kernel / operator names of communication: NCCL kernels, the custom all-reduce's Triton kernels, torch's c10d
+# ops (gloo on CPU)
+COMM_NAME = re.compile(r"nccl|gloo|c10d|all_?reduce|all_?gather|all_?to_?all|reduce_?scatter|broadcast|one_shot|"
+                       r"two_shot", re.IGNORECASE)
+
+Interval = tuple[float, float]  # (start, end) in microseconds
+
+
+def merged(intervals: Iterable[Interval]) -> list[Interval]:
+    """The union of `intervals` as disjoint intervals, in order."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(s, e) for s, e in out]
+
+
+def length(intervals: list[Interval]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def overlap(a: list[Interval], b: list[Interval]) -> float:
+    """Time in both of two disjoint, ordered interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+@dataclass
+class CommSummary:
+    """One rank's profile: where its time went, in ms."""
+
+    rank: int
+    source: str  # "cuda kernels" or "cpu ops" (no kernel was recorded)
+    span_ms: float  # first event's start to the last one's end
+    busy_ms: float  # some event running
+    comm_ms: float  # a collective running
+    exposed_comm_ms: float  # a collective running and nothing else
+    trace: str = ""
+    error: str = ""
+
+
+def summarize(rank: int, events: list[tuple[str, float, float]], source: str) -> CommSummary:
+    """(name, start us, end us) of the profiled kernels or top-level operators -> the rank's summary."""
+    if not events:
+        return CommSummary(rank, source, 0.0, 0.0, 0.0, 0.0)
+    comm = merged((s, e) for n, s, e in events if COMM_NAME.search(n))
+    other = merged((s, e) for n, s, e in events if not COMM_NAME.search(n))
+    busy = merged([*comm, *other])
+    span = max(e for _, _, e in events) - min(s for _, s, _ in events)
+    comm_us = length(comm)
+    return CommSummary(rank, source, span / 1e3, length(busy) / 1e3, comm_us / 1e3,
+                       (comm_us - overlap(comm, other)) / 1e3)
+
+
+def profiled_events(prof: torch.profiler.profile) -> tuple[list[tuple[str, float, float]], str]:
+    """The CUDA kernels a profile recorded, else (CPU) its top-level host operators."""
+    events = prof.events()
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    if kernels:
+        return kernels, "cuda kernels"
+    return [(e.name, e.time_range.start, e.time_range.end) for e in events if e.cpu_parent is None], "cpu ops"
+
+
+class RankProfiler:
+    """One rank's profile between `start` and `stop`."""
+
+    def __init__(self, directory: str, rank: int, device: torch.device):
+        self.directory, self.rank, self.device = directory, rank, device
+        self.prof: Optional[torch.profiler.profile] = None
+        self.stamp = ""
+
+    @property
+    def running(self) -> bool:
+        return self.prof is not None
+
+    def start(self, stamp: str) -> None:
+        """Start recording (again after a stop); `stamp` names this profile's files on every rank."""
+        if self.prof is not None:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.stamp, self.prof = stamp, torch.profiler.profile(activities=activities)
+        self.prof.start()
+        log.info("profiling rank %d (%s) until POST /stop_profile", self.rank, stamp)
+
+    def stop(self) -> CommSummary:
+        """Stop, write the trace, sum the communication; a failure is reported in the summary, not raised."""
+        prof, self.prof = self.prof, None
+        if prof is None:
+            return CommSummary(self.rank, "", 0.0, 0.0, 0.0, 0.0, error="this rank was not profiling")
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            prof.stop()
+            os.makedirs(self.directory, exist_ok=True)
+            path = os.path.join(self.directory, f"{self.stamp}-rank{self.rank}.trace.json")
+            prof.export_chrome_trace(path)
+            summary = summarize(self.rank, *profiled_events(prof))
+            summary.trace = path
+            return summary
+        except Exception as exc:  # noqa: BLE001 - a profile that cannot be written must not stop serving
+            log.exception("rank %d: writing the profile failed", self.rank)
+            return CommSummary(self.rank, "", 0.0, 0.0, 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
+
+
+def profile_stamp() -> str:
+    """A name for one profile's files, the same on every rank (chosen by the serving process)."""
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def as_json(summaries: list[CommSummary]) -> list[dict]:
+    return [asdict(s) for s in summaries]

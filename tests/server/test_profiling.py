@@ -1,0 +1,57 @@
+"""engine/runtime/profiling.py: the interval sums behind each rank's communication figures, and one rank's
+profile on CPU (the trace it writes, what it counts). The routes over a TP 2 + DP 2 server (both ranks' traces,
+gloo's collectives counted) are in tests/distributed/test_serve_tp.py's DP-attention server test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.runtime.profiling import RankProfiler, length, merged, overlap, summarize
+
+spans = st.lists(st.tuples(st.integers(0, 200), st.integers(1, 50)).map(lambda t: (float(t[0]), float(t[0] + t[1]))),
+                 max_size=12)
+
+
+def _covered(intervals, t: float) -> bool:
+    return any(s <= t < e for s, e in intervals)
+
+
+@given(spans, spans)
+def test_union_and_overlap_equal_counting_every_time_step(a, b):
+    """On integer-aligned intervals, the union's length and the overlap of two unions equal a count over every
+    unit of time (a reference written without interval arithmetic)."""
+    ma, mb = merged(a), merged(b)
+    assert all(e1 < s2 for (_, e1), (s2, _) in zip(ma, ma[1:]))  # disjoint, ordered, not touching
+    assert length(ma) == sum(_covered(a, t + 0.5) for t in range(260))
+    assert overlap(ma, mb) == sum(_covered(a, t + 0.5) and _covered(b, t + 0.5) for t in range(260))
+
+
+def test_exposed_communication_is_what_runs_alone():
+    events = [("gemm", 0.0, 100.0), ("ncclDevKernel_AllReduce_Sum_bf16", 80.0, 130.0),
+              ("_one_shot_kernel", 150.0, 160.0), ("fused_moe", 155.0, 200.0), ("gloo:all_reduce", 300.0, 310.0)]
+    s = summarize(3, events, "cuda kernels")
+    assert (s.rank, s.source, s.span_ms) == (3, "cuda kernels", 0.31)
+    assert s.comm_ms == pytest.approx(0.070)  # 50 + 10 + 10 us of collectives
+    assert s.exposed_comm_ms == pytest.approx(0.045)  # 30 (100..130) + 5 (150..155) + 10 alone
+    assert s.busy_ms == pytest.approx(0.190)  # 0..130, 150..200, 300..310
+    assert summarize(0, [], "cpu ops").comm_ms == 0.0
+
+
+def test_a_cpu_rank_writes_its_trace_and_counts_its_ops(tmp_path):
+    prof = RankProfiler(str(tmp_path / "profiles"), 1, torch.device("cpu"))
+    assert prof.stop().error  # not profiling: said, not raised
+    prof.start("s1")
+    x = torch.randn(64, 64)
+    for _ in range(3):
+        x = torch.tanh(x @ x)
+    s = prof.stop()
+    assert not s.error and s.source == "cpu ops" and s.trace.endswith("s1-rank1.trace.json")
+    names = {e.get("name") for e in json.loads(open(s.trace).read())["traceEvents"]}
+    assert "aten::matmul" in names or "aten::mm" in names
+    assert s.busy_ms > 0 and s.comm_ms == 0.0 and s.exposed_comm_ms == 0.0
+    assert not prof.running
