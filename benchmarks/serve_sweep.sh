@@ -10,6 +10,10 @@
 #   TAG=v3-dp LAYOUT=tp2-dp2 bash benchmarks/serve_sweep.sh   (a parallel layout, benchmarks/layouts.py; the floor
 #   is then per GPU of that layout)
 #   TAG=start CONCS= bash benchmarks/serve_sweep.sh   (start-up only: time to healthy and the ranks' phases)
+#   PROFILE_S=1 ... bash benchmarks/serve_sweep.sh   (each level from 2 streams up is also profiled for PROFILE_S
+#   seconds, PROFILE_AT s after it starts: POST /start_profile, /stop_profile; per rank its steps and the time
+#   per step in collectives and exposed; the traces under $OUT/$TAG-profiles; that level's latency tails then
+#   include the profiler's own stalls, seconds on CPU: compare levels without it)
 set -u
 OUT=${OUT:-$PWD/serve-out}; TAG=${TAG:-sweep}; MODEL=${MODEL:-deepseek-v3}; LAYERS=${LAYERS:-5}
 CONCS=${CONCS-"1 8 32 128 256 512 1024"}; IN=${IN:-1024}; OUTLEN=${OUTLEN:-256}; PORT=${PORT:-30555}  # CONCS=: no level
@@ -17,6 +21,8 @@ TREE=${TREE:-.}; EXTRA=${EXTRA:-}; LAYOUT=${LAYOUT:-tp1}
 mkdir -p "$OUT"
 read -r -a layout_flags <<< "$(python3 benchmarks/layouts.py "$LAYOUT")" || exit 1
 layers=(); [ "$LAYERS" != full ] && layers=(--num-layers "$LAYERS")
+PROFILE_S=${PROFILE_S:-}; PROFILE_AT=${PROFILE_AT:-10}
+profile=(); [ -n "$PROFILE_S" ] && profile=(--profile-dir "$OUT/$TAG-profiles")
 # copy bandwidth for the bytes floor of the table's last column, measured before the server takes the memory
 bw=$(python3 -c "import sys; sys.path.insert(0, '.'); from engine.distributed.step_floor import copy_bandwidth; print(copy_bandwidth())" 2>/dev/null || echo nan)
 # A server started right after another one exited can find that one's ranks still holding GPU memory (the
@@ -30,7 +36,7 @@ done
 [ -n "$used" ] && [ "$used" -ge "${IDLE_MIB:-4096}" ] && echo "$TAG: warning: a GPU still holds $used MiB at start"
 start=$(date +%s.%N)
 # shellcheck disable=SC2086
-(cd "$TREE" && exec python3 -m dsctl serve --model "$MODEL" --load-format dummy "${layers[@]}" --port "$PORT" \
+(cd "$TREE" && exec python3 -m dsctl serve --model "$MODEL" --load-format dummy "${layers[@]}" "${profile[@]}" --port "$PORT" \
     --max-model-len 4096 "${layout_flags[@]}" $EXTRA) > "$OUT/$TAG-serve.log" 2>&1 &
 pid=$!
 for _ in $(seq $(( ${HEALTH_WAIT_S:-300} * 2 ))); do  # a cold start at full depth takes minutes
@@ -47,10 +53,26 @@ for c in $CONCS; do
     n=$(( c < 8 ? 8 : (c < 128 ? 2 * c : c) ))
     s0=$(cpu_s $pid)
     curl -sf "127.0.0.1:$PORT/metrics" > "$OUT/$TAG-c$c.m0"
+    profiling=
+    if [ -n "$PROFILE_S" ] && [ "$c" -ge 2 ]; then  # a window of the level's steady state, every rank
+        ( sleep "$PROFILE_AT"; curl -sf -X POST "127.0.0.1:$PORT/start_profile" > /dev/null && sleep "$PROFILE_S" &&
+          curl -sf -X POST "127.0.0.1:$PORT/stop_profile" > "$OUT/$TAG-c$c.profile.json" ) &
+        profiling=$!
+    fi
     { time -p python3 -m dsctl bench serving --base-url "http://127.0.0.1:$PORT" --num-prompts "$n" \
         --max-concurrency "$c" --random-input-len "$IN" --random-output-len "$OUTLEN" \
         --result-file "$OUT/$TAG.jsonl" > "$OUT/$TAG-c$c.txt" 2>&1; } 2> "$OUT/$TAG-c$c.time"
     rc=$?
+    if [ -n "$profiling" ]; then
+        wait "$profiling"
+        python3 -c "
+import json, sys
+for r in json.load(open(sys.argv[1]))['ranks']:
+    n = max(r['steps'], 1)
+    print(f\"profile c={sys.argv[2]} rank {r['rank']}: {r['steps']} steps, per step busy {r['busy_ms'] / n:.2f} ms, \"
+          f\"collectives {r['comm_ms'] / n:.2f} ms, exposed {r['exposed_comm_ms'] / n:.2f} ms ({r['source']}) {r['error']}\")
+" "$OUT/$TAG-c$c.profile.json" "$c" 2>/dev/null || echo "profile c=$c: none (the level ended before the window?)"
+    fi
     # CPU seconds over wall seconds of the benchmark client (all its processes; the busiest one's share is the
     # table's last column) and of the HTTP server process (near 1.0: it was busy all along, and streamed chunks
     # may bunch up: an ITL median near 0 says so)

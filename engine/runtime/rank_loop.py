@@ -130,6 +130,7 @@ class EngineLoop:
     def step(self) -> None:
         if self.engine.scheduler.has_work():
             self.engine.scheduler.step()
+            self.profiler.count_step()
 
     def report_expert_load(self) -> None:
         """Every rank at the same point (a collective): the summed routing counts; rank 0 sends them."""

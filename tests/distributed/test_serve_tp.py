@@ -119,6 +119,7 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
             assert not r["error"] and r["source"] == "cpu ops" and os.path.exists(r["trace"]), r
             assert 0 < r["exposed_comm_ms"] <= r["comm_ms"] < r["busy_ms"] <= r["span_ms"], r
             assert json.load(open(r["trace"]))["traceEvents"]
+        assert sum(r["steps"] for r in prof["ranks"]) >= 2, prof  # its group's prefill and decode (the other: idle)
         results = _streams(srv, 64)
         failures = [r for r in results if isinstance(r, BaseException)]
         assert not failures, failures[:3]

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.runtime.profiling import RankProfiler, length, merged, overlap, summarize
+from engine.runtime.profiling import RankProfiler, length, merged, overlap, summarize, trace_events
 
 spans = st.lists(st.tuples(st.integers(0, 200), st.integers(1, 50)).map(lambda t: (float(t[0]), float(t[0] + t[1]))),
                  max_size=12)
@@ -42,14 +42,39 @@ def test_exposed_communication_is_what_runs_alone():
     assert summarize(0, [], "cpu ops").comm_ms == 0.0
 
 
+def test_a_trace_is_read_back_as_kernels_or_top_level_host_ops(tmp_path):
+    """A GPU trace: its kernels (every stream), host ops ignored. A CPU trace: each thread's outermost ops, so an
+    op inside a collective (or a collective inside a Python-level op) is not counted twice."""
+    def op(name, ts, dur, cat="cpu_op", tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 0}
+
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({"traceEvents": [op("aten::mm", 0, 50), op("gemm", 5, 40, "kernel", 7),
+                                               op("ncclDevKernel_AllReduce", 30, 20, "kernel", 8),
+                                               {"ph": "M", "name": "process_name"}]}))
+    events, source = trace_events(str(gpu))
+    assert source == "cuda kernels" and sorted(events) == [("gemm", 5.0, 45.0), ("ncclDevKernel_AllReduce", 30.0, 50.0)]
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps({"traceEvents": [op("c10d::allreduce_", 0, 30), op("aten::empty", 2, 3),
+                                               op("aten::mm", 40, 10), op("aten::add", 41, 2), op("aten::mm", 5, 10, tid=2)]}))
+    events, source = trace_events(str(cpu))
+    assert source == "cpu ops" and sorted(events) == [("aten::mm", 5.0, 15.0), ("aten::mm", 40.0, 50.0),
+                                                      ("c10d::allreduce_", 0.0, 30.0)]
+    s = summarize(0, events, source)
+    assert s.comm_ms == pytest.approx(0.030) and s.exposed_comm_ms == pytest.approx(0.020)  # 5..15 overlaps
+
+
 def test_a_cpu_rank_writes_its_trace_and_counts_its_ops(tmp_path):
     prof = RankProfiler(str(tmp_path / "profiles"), 1, torch.device("cpu"))
     assert prof.stop().error  # not profiling: said, not raised
+    prof.count_step()  # not recording: not counted
     prof.start("s1")
     x = torch.randn(64, 64)
     for _ in range(3):
         x = torch.tanh(x @ x)
+        prof.count_step()
     s = prof.stop()
+    assert s.steps == 3
     assert not s.error and s.source == "cpu ops" and s.trace.endswith("s1-rank1.trace.json")
     names = {e.get("name") for e in json.loads(open(s.trace).read())["traceEvents"]}
     assert "aten::matmul" in names or "aten::mm" in names
