@@ -8,7 +8,8 @@
 #       BASELINE=tp4-ep4-kv8 CONCS="1 64 256 512" bash benchmarks/at_depth.sh
 #   MODEL=deepseek-v3 EXTRA="--quantization w4afp8" LAYOUTS="tp4 tp4-dp4 tp4-ep4" ONEBATCH_BS="1 32 128" ...
 # Layout names are benchmarks/layouts.py's, plus a `-kv8` suffix for --kv-cache-dtype fp8_e4m3 and `-nextn` for
-# NextN speculative decoding (the seeds' 2x4x4 tree). BUDGET_S bounds the whole run.
+# NextN speculative decoding (the seeds' 2x4x4 tree). BUDGET_S bounds the whole run. PROFILE_S=1 also profiles a
+# second of each level on every rank (serve_sweep.sh: collectives' time per step, and the part exposed).
 set -u
 OUT=${OUT:-$PWD/at-depth-out}; MODEL=${MODEL:-deepseek-v2}; LAYERS=${LAYERS:-full}; EXTRA=${EXTRA:-"--quantization fp8"}
 LAYOUTS=${LAYOUTS:-"tp4 tp4-dp4"}; CONCS=${CONCS-"1 64 256"}; ONEBATCH_BS=${ONEBATCH_BS:-}; WARM=${WARM:-0}
