@@ -73,6 +73,7 @@ class EngineClient:
         self.expert_load: Optional[ExpertLoadUpdate] = None  # the latest routing counts (--record-expert-load)
         self._load_waiters: list[asyncio.Future] = []
         self.profiling: Optional[str] = None  # the stamp of the profile the ranks are recording (POST /start_profile)
+        self.last_profile: Optional[ProfileWritten] = None  # one that stopped by itself (its steps run), not yet asked for
         self._profile_waiter: Optional[asyncio.Future] = None
         self.dead_reason: Optional[str] = None
         self.startup_failed = False
@@ -167,12 +168,13 @@ class EngineClient:
         self._load_waiters.append(waiter)
         return await asyncio.wait_for(waiter, timeout)
 
-    def start_profile(self, stamp: str) -> None:
-        """Tell every rank to start recording a profile (between two steps); the caller checks `profiling`."""
+    def start_profile(self, stamp: str, max_steps: int) -> None:
+        """Tell every rank to start recording a profile (between two steps) of at most `max_steps` engine steps;
+        the caller checks `profiling`."""
         if not self.healthy:
             raise EngineUnavailable("the engine is not serving")
-        self.profiling = stamp
-        self._outq.put(StartProfile(stamp))
+        self.profiling, self.last_profile = stamp, None
+        self._outq.put(StartProfile(stamp, max_steps))
 
     async def stop_profile(self, timeout: float = 120.0) -> ProfileWritten:
         """Tell every rank to stop and write its profile; wait for their summaries (writing a long trace takes
@@ -256,6 +258,10 @@ class EngineClient:
         elif isinstance(msg, ProfileWritten):
             if self._profile_waiter is not None and not self._profile_waiter.done():
                 self._profile_waiter.set_result(msg)
+            else:  # it ran its steps and stopped by itself: kept for the next POST /stop_profile
+                self.last_profile = msg
+                if self.profiling == msg.stamp:
+                    self.profiling = None
         elif isinstance(msg, AddFailed):
             self.pending.discard(msg.rid)
             route = self._routes.pop(msg.rid, None)

@@ -111,37 +111,51 @@ def trace_events(path: str) -> tuple[list[tuple[str, float, float]], str]:
 
 
 class RankProfiler:
-    """One rank's profile between `start` and `stop`."""
+    """One rank's profile between `start` and `stop`. `active` follows the messages alone (the same on every rank,
+    whether or not this rank's profiler could start), so every rank takes part in the same stops."""
 
     def __init__(self, directory: str, rank: int, device: torch.device):
         self.directory, self.rank, self.device = directory, rank, device
         self.prof: Optional[torch.profiler.profile] = None
-        self.stamp, self.steps = "", 0
+        self.active, self.stamp, self.steps, self.max_steps, self.error = False, "", 0, 0, ""
 
     @property
-    def running(self) -> bool:
-        return self.prof is not None
+    def due(self) -> bool:
+        """The profile has run its `max_steps` steps: rank 0 then stops it on every rank."""
+        return self.active and 0 < self.max_steps <= self.steps
 
-    def start(self, stamp: str) -> None:
-        """Start recording (again after a stop); `stamp` names this profile's files on every rank."""
-        if self.prof is not None:
+    def start(self, stamp: str, max_steps: int = 0) -> None:
+        """Start recording for at most `max_steps` engine steps (0: until stopped); `stamp` names this profile's
+        files on every rank. A second start while one is active is ignored; a failure is reported at the stop."""
+        if self.active:
             return
+        self.active, self.stamp, self.steps, self.max_steps, self.error = True, stamp, 0, max_steps, ""
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.stamp, self.steps, self.prof = stamp, 0, torch.profiler.profile(activities=activities)
-        self.prof.start()
-        log.info("profiling rank %d (%s) until POST /stop_profile", self.rank, stamp)
+        try:
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.start()
+        except Exception as exc:  # noqa: BLE001 - a profiler that cannot start must not stop serving
+            log.exception("rank %d: starting the profiler failed", self.rank)
+            self.prof, self.error = None, f"{type(exc).__name__}: {exc}"
+            return
+        log.info("profiling rank %d (%s) for %s", self.rank, stamp,
+                 f"{max_steps} steps" if max_steps else "until POST /stop_profile")
 
     def count_step(self) -> None:
-        """One engine step ran (counted while recording)."""
-        self.steps += self.prof is not None
+        """One engine step ran (counted while active)."""
+        self.steps += self.active
 
-    def stop(self) -> CommSummary:
-        """Stop, write the trace, sum the communication; a failure is reported in the summary, not raised."""
+    def stop(self) -> Optional[CommSummary]:
+        """Stop, write the trace, sum the communication (None when no profile is active); a failure is reported in
+        the summary, not raised."""
+        if not self.active:
+            return None
+        self.active = False
         prof, self.prof = self.prof, None
         if prof is None:
-            return CommSummary(self.rank, "", 0.0, 0.0, 0.0, 0.0, error="this rank was not profiling")
+            return CommSummary(self.rank, "", 0.0, 0.0, 0.0, 0.0, steps=self.steps, error=self.error)
         try:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -154,7 +168,7 @@ class RankProfiler:
             return summary
         except Exception as exc:  # noqa: BLE001 - a profile that cannot be written must not stop serving
             log.exception("rank %d: writing the profile failed", self.rank)
-            return CommSummary(self.rank, "", 0.0, 0.0, 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
+            return CommSummary(self.rank, "", 0.0, 0.0, 0.0, 0.0, steps=self.steps, error=f"{type(exc).__name__}: {exc}")
 
 
 def profile_stamp() -> str:

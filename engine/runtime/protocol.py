@@ -48,22 +48,30 @@ class ReportExpertLoad:
 
 @dataclass
 class StartProfile:
-    """Every rank starts torch.profiler (engine/runtime/profiling.py); `stamp` names the files of this profile."""
+    """Every rank starts torch.profiler (engine/runtime/profiling.py); `stamp` names the files of this profile,
+    which stops by itself after `max_steps` engine steps (0: at StopProfile)."""
 
     stamp: str
+    max_steps: int = 0
 
 
 @dataclass
 class StopProfile:
-    """Every rank stops its profile and writes its trace; rank 0 answers with a ProfileWritten."""
+    """Every rank stops its profile and writes its trace; rank 0 answers with a ProfileWritten. `ran_its_steps`:
+    sent by rank 0 itself when the profile reached its max_steps."""
+
+    ran_its_steps: bool = False
 
 
 # ---- engine -> serving -----------------------------------------------------
 @dataclass
 class ProfileWritten:
-    """Each rank's profile summary (engine/runtime/profiling.py CommSummary, as dicts), rank order."""
+    """Each rank's profile summary (engine/runtime/profiling.py CommSummary, as dicts), rank order; sent at a
+    StopProfile, or by itself when the profile ran its steps (`stamp`: which profile)."""
 
+    stamp: str
     ranks: list[dict]
+    ran_its_steps: bool = False  # stopped by itself (max_steps), not by a StopProfile from the serving process
 
 
 @dataclass

@@ -108,9 +108,9 @@ class EngineLoop:
         elif isinstance(msg, protocol.ReportExpertLoad):
             self.report_expert_load()
         elif isinstance(msg, protocol.StartProfile):
-            self.profiler.start(msg.stamp)
+            self.profiler.start(msg.stamp, msg.max_steps)
         elif isinstance(msg, protocol.StopProfile):
-            self.stop_profile()
+            self.stop_profile(msg.ran_its_steps)
         elif isinstance(msg, protocol.Shutdown):
             self.engine.scheduler.abort_all()
             self.send_outputs()
@@ -128,8 +128,10 @@ class EngineLoop:
             self._send(protocol.AddFailed(msg.rid, f"internal error: {exc}", user_error=False))
 
     def step(self) -> None:
-        if self.engine.scheduler.has_work():
+        stepped = self.engine.scheduler.has_work()
+        if stepped:
             self.engine.scheduler.step()
+        if stepped or self.dp:  # DP attention: a group without work runs idle forwards in the same iteration
             self.profiler.count_step()
 
     def report_expert_load(self) -> None:
@@ -138,11 +140,15 @@ class EngineLoop:
         if self.outbox is not None:
             self.outbox.send(protocol.ExpertLoadUpdate(report))
 
-    def stop_profile(self) -> None:
-        """Every rank at the same point (a collective): write its profile; rank 0 sends every rank's summary."""
+    def stop_profile(self, ran_its_steps: bool = False) -> None:
+        """Every rank at the same point (a collective): write its profile; rank 0 sends every rank's summary. No
+        profile active (it already ran its steps): nothing to do, on every rank alike."""
+        if not self.profiler.active:
+            return
+        stamp = self.profiler.stamp
         every = gather_objects(self.profiler.stop(), self.tp)
         if self.outbox is not None:
-            self.outbox.send(protocol.ProfileWritten(as_json(every)))
+            self.outbox.send(protocol.ProfileWritten(stamp, as_json(every), ran_its_steps))
 
     def send_outputs(self) -> None:
         """Send the deltas gathered since the last call, and the stats (and, every EXPERT_LOAD_EVERY calls, the
@@ -192,6 +198,8 @@ class EngineLoop:
             if busy or got_any:
                 self.step()
                 self.send_outputs()
+            if self.profiler.due:
+                self.stop_profile(ran_its_steps=True)
 
     def _run_mirrored(self, inbox: Optional[Connection]) -> None:
         """The TP loop: rank 0's messages reach every rank in the same order before the same step, with rank 0's
@@ -239,6 +247,8 @@ class EngineLoop:
                 timeout = 0
         except (EOFError, OSError):
             msgs.append(protocol.Shutdown())
+        if self.profiler.due:  # the profile ran its steps: every rank stops it at the same point
+            msgs.append(protocol.StopProfile(ran_its_steps=True))
         return msgs
 
 

@@ -91,8 +91,9 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
     """With expert parallelism, redundant experts from a placement file and the routing counts recorded: /metrics
     shows each EP rank's expert load, GET /expert_load the counts per layer and expert, which `dsctl
     place-experts` turns into a placement again. Two-batch overlap on, splitting forwards from 8 tokens: the
-    streams' batches run as two micro-batches, /metrics counts them, the routing counts stay whole. One completion is
-    profiled (POST /start_profile, /stop_profile): both ranks write a trace and count their collectives."""
+    streams' batches run as two micro-batches, /metrics counts them, the routing counts stay whole. Two completions
+    are profiled (POST /start_profile, /stop_profile): one stops itself after the steps asked for, one on request;
+    both ranks write a trace and count their collectives."""
     from typer.testing import CliRunner
 
     from dsctl.cli import app
@@ -108,13 +109,21 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
         assert "2 DP attention groups" in srv.log()  # the KV capacity, printed at start-up
         assert _greedy(srv) == one_process_text
         assert srv.post("/stop_profile").status_code == 400  # none started
-        started = srv.post("/start_profile")
+        assert srv.post("/start_profile", {"num_steps": 0}).status_code == 400
+        started = srv.post("/start_profile", {"num_steps": 3})
         assert started.status_code == 200 and srv.post("/start_profile").status_code == 400  # one at a time
+        srv.client().completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8)  # > 3 steps: stops itself
+        auto = wait_for(lambda: srv.post("/stop_profile").json(), timeout=30)
+        assert auto["stopped"] == "num_steps reached" and [r["steps"] for r in auto["ranks"]] == [3, 3], auto
+        assert srv.post("/stop_profile").status_code == 400  # given once
+        started = srv.post("/start_profile")  # the default number of steps: stopped on request here
+        assert started.status_code == 200 and started.json()["num_steps"] == 500
         srv.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2)  # profiled on both ranks
         stopped = srv.post("/stop_profile")
         assert stopped.status_code == 200, stopped.text
         prof = stopped.json()
-        assert prof["profile"] == started.json()["profile"] and [r["rank"] for r in prof["ranks"]] == [0, 1]
+        assert prof["profile"] == started.json()["profile"] and prof["stopped"] == "on request"
+        assert [r["rank"] for r in prof["ranks"]] == [0, 1]
         for r in prof["ranks"]:  # gloo's collectives (DP gathers, MoE all-reduces) counted on each rank
             assert not r["error"] and r["source"] == "cpu ops" and os.path.exists(r["trace"]), r
             assert 0 < r["exposed_comm_ms"] <= r["comm_ms"] < r["busy_ms"] <= r["span_ms"], r
@@ -127,7 +136,7 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
         m = srv.metrics()
         sent = [m.get(f'dsctl_dp_requests_total{{dp_rank="{g}"}}', 0) for g in (0, 1)]
         assert all(n >= 16 for n in sent), sent  # total_tokens (the default): both groups served requests
-        assert sum(sent) == 64 + len(PROMPTS) + 1, sent  # + the profiled completion
+        assert sum(sent) == 64 + len(PROMPTS) + 2, sent  # + the profiled completions
         used = [m.get(f'dsctl_dp_kv_cache_used_tokens{{dp_rank="{g}"}}', -1) for g in (0, 1)]
         assert all(n > 0 for n in used), used  # each group's prefix cache holds its finished streams
         assert all(f'dsctl_dp_kv_load_tokens{{dp_rank="{g}"}}' in m for g in (0, 1)), sorted(m)

@@ -66,17 +66,55 @@ def test_a_trace_is_read_back_as_kernels_or_top_level_host_ops(tmp_path):
 
 def test_a_cpu_rank_writes_its_trace_and_counts_its_ops(tmp_path):
     prof = RankProfiler(str(tmp_path / "profiles"), 1, torch.device("cpu"))
-    assert prof.stop().error  # not profiling: said, not raised
+    assert prof.stop() is None and not prof.due  # nothing active: nothing to stop
     prof.count_step()  # not recording: not counted
-    prof.start("s1")
+    prof.start("s1", max_steps=3)
     x = torch.randn(64, 64)
     for _ in range(3):
+        assert not prof.due
         x = torch.tanh(x @ x)
         prof.count_step()
+    assert prof.due  # its steps run: rank 0 sends every rank the stop
     s = prof.stop()
-    assert s.steps == 3
+    assert s.steps == 3 and not prof.active and not prof.due
     assert not s.error and s.source == "cpu ops" and s.trace.endswith("s1-rank1.trace.json")
     names = {e.get("name") for e in json.loads(open(s.trace).read())["traceEvents"]}
     assert "aten::matmul" in names or "aten::mm" in names
     assert s.busy_ms > 0 and s.comm_ms == 0.0 and s.exposed_comm_ms == 0.0
-    assert not prof.running
+
+
+def test_the_one_rank_loop_ends_a_profile_after_its_steps(tmp_path):
+    """The loop of a one-process engine (no TP): a profile asked for 3 steps stops by itself after the 3rd while
+    the request goes on, says so, and a later StopProfile (none active) is ignored."""
+    import threading
+    import time
+    from multiprocessing import Pipe
+
+    from engine.engine import Engine
+    from engine.runtime.protocol import AddRequest, ProfileWritten, Shutdown, StartProfile, StepOutputs, StopProfile
+    from engine.runtime.rank_loop import EngineLoop
+    from engine.sampling import SamplingParams
+
+    engine = Engine(model="tiny", device="cpu", dtype="float32", profile_dir=str(tmp_path))
+    sent = []
+    outbox = type("Outbox", (), {"send": lambda self, msg: sent.append(msg)})()
+    inbox, feed = Pipe(duplex=False)
+    feed.send(StartProfile("p1", max_steps=3))
+    feed.send(AddRequest("r0", [5, 6, 7], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)))
+
+    def finish():  # once the request is done: a stop with nothing active, then the end
+        deadline = time.time() + 60
+        while time.time() < deadline and not any(o.finished for m in sent if isinstance(m, StepOutputs)
+                                                  for o in m.outputs):
+            time.sleep(0.05)
+        feed.send(StopProfile())
+        feed.send(Shutdown())
+
+    threading.Thread(target=finish, daemon=True).start()
+    EngineLoop(engine, outbox).run(inbox)
+    written = [m for m in sent if isinstance(m, ProfileWritten)]
+    assert len(written) == 1 and written[0].ran_its_steps and written[0].stamp == "p1"
+    (rank,) = written[0].ranks
+    assert rank["steps"] == 3 and not rank["error"] and (tmp_path / "p1-rank0.trace.json").exists()
+    tokens = [t for m in sent if isinstance(m, StepOutputs) for o in m.outputs for t in o.new_token_ids]
+    assert len(tokens) == 10  # the request went on past the profile
