@@ -137,8 +137,21 @@ def check_size(nbytes: int, group: TPGroup, device: torch.device, custom, op: Al
         graph.reset()
 
 
+def _us_per_call(launch, calls: int) -> float:
+    """Microseconds per call of `launch()`, which makes `calls` all-reduces: CUDA events around it, median of 3."""
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def time_graph(run, x: torch.Tensor, calls: int, replays: int) -> float:
-    """Microseconds per call of `calls` in-place all-reduces captured in one graph, median of 3."""
+    """Microseconds per call of `calls` in-place all-reduces captured in one graph, replayed `replays` times."""
     x.normal_(std=1e-3)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -146,35 +159,18 @@ def time_graph(run, x: torch.Tensor, calls: int, replays: int) -> float:
             run(x)
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
+    us = _us_per_call(lambda: [graph.replay() for _ in range(replays)], replays * calls)
     graph.reset()
-    return statistics.median(times)
+    return us
 
 
 def time_eager(run, x: torch.Tensor, calls: int, replays: int) -> float:
     """Microseconds per call of `calls` x `replays` in-place all-reduces launched one by one from Python (no
-    graph: each call pays its launch and the host work before it), median of 3."""
+    graph: each call pays its launch and the host work before it)."""
     x.normal_(std=1e-3)
     run(x)
     torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays * calls):
-            run(x)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
-    return statistics.median(times)
+    return _us_per_call(lambda: [run(x) for _ in range(replays * calls)], replays * calls)
 
 
 def measured_thresholds(rows: list[dict]) -> Thresholds:

@@ -176,9 +176,12 @@ class EngineClient:
         self.profiling, self.last_profile = stamp, None
         self._outq.put(StartProfile(stamp, max_steps))
 
-    async def stop_profile(self, timeout: float = 120.0) -> ProfileWritten:
+    async def stop_profile(self, timeout: float = 120.0) -> Optional[ProfileWritten]:
         """Tell every rank to stop and write its profile; wait for their summaries (writing a long trace takes
-        seconds)."""
+        seconds). None recording: the one that stopped by itself since (given once), else None."""
+        if self.profiling is None:
+            done, self.last_profile = self.last_profile, None
+            return done
         if not self.healthy:
             raise EngineUnavailable("the engine is not serving")
         self.profiling = None

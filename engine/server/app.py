@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 
 from starlette.applications import Starlette
@@ -27,13 +26,13 @@ from starlette.routing import Route
 from engine.args import EngineArgs, ServerArgs
 from engine.runtime.client import EngineClient, EngineUnavailable
 from engine.runtime.profiling import profile_stamp
-from engine.runtime.protocol import ProfileWritten
 from engine.server.auth import ApiKeyMiddleware, authorised
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
 from engine.server.errors import APIError, server_error, unavailable
-from engine.server.limits import Limits
+from engine.server.limits import ClientGone, Limits, decode_json, read_body
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from engine.server.schemas import ProfileRequest, validate_body
 from engine.server.state import ServerState
 
 log = logging.getLogger("dsctl.server")
@@ -98,29 +97,16 @@ def _profiling(request: Request) -> ServerState:
     return state
 
 
-PROFILE_STEPS = 500  # engine steps a profile records unless the request asks otherwise (a forgotten one ends)
-PROFILE_MAX_STEPS = 10_000
-
-
-async def _profile_steps(request: Request) -> int:
-    """The body's optional {"num_steps": N} (1..PROFILE_MAX_STEPS), else PROFILE_STEPS."""
-    raw = await request.body()
-    try:
-        body = json.loads(raw) if raw.strip() else {}
-    except ValueError:
-        raise APIError(400, "the body must be JSON: {\"num_steps\": N} or nothing", "invalid_request_error") from None
-    steps = body.get("num_steps", PROFILE_STEPS) if isinstance(body, dict) else None
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= PROFILE_MAX_STEPS:
-        raise APIError(400, f"num_steps must be an integer in 1..{PROFILE_MAX_STEPS}", "invalid_request_error",
-                       param="num_steps")
-    return steps
-
-
 async def start_profile(request: Request) -> Response:
     """POST /start_profile [{"num_steps": N}]: every rank records a torch.profiler profile of N engine steps
-    (default PROFILE_STEPS), or until POST /stop_profile."""
+    (schemas.ProfileRequest), or until POST /stop_profile."""
     state = _profiling(request)
-    steps = await _profile_steps(request)
+    try:
+        raw = await read_body(request, state.limits.max_body_bytes)
+    except ClientGone:
+        return Response(status_code=499)
+    body = decode_json(raw, state.limits.max_json_depth) if raw.strip() else {}
+    steps = validate_body(body, ProfileRequest).num_steps
     if state.client.profiling is not None:
         raise APIError(400, f"a profile ({state.client.profiling}) is already being recorded: POST /stop_profile "
                        "first", "invalid_request_error")
@@ -136,20 +122,12 @@ async def stop_profile(request: Request) -> Response:
     """POST /stop_profile: every rank writes its trace; the answer lists them with each rank's communication
     time (engine/runtime/profiling.py). A profile that already ran its steps: that one, once."""
     state = _profiling(request)
-    client = state.client
-    if client.profiling is None:
-        done, client.last_profile = client.last_profile, None
-        if done is None:
-            raise APIError(400, "no profile is being recorded: POST /start_profile first", "invalid_request_error")
-        return _profile_answer(done)
     try:
-        written = await client.stop_profile()
+        written = await state.client.stop_profile()
     except (asyncio.TimeoutError, EngineUnavailable) as exc:
         raise unavailable(f"the engine did not write its profile: {exc or 'timed out'}") from None
-    return _profile_answer(written)
-
-
-def _profile_answer(written: ProfileWritten) -> Response:
+    if written is None:
+        raise APIError(400, "no profile is being recorded: POST /start_profile first", "invalid_request_error")
     return JSONResponse({"profile": written.stamp, "ranks": written.ranks,
                          "stopped": "num_steps reached" if written.ran_its_steps else "on request"})
 

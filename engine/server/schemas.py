@@ -24,6 +24,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+PROFILE_STEPS = 500  # engine steps a profile records unless the request asks otherwise (a forgotten one ends)
+PROFILE_MAX_STEPS = 10_000
+
+
+class ProfileRequest(_Strict):
+    """POST /start_profile's optional body."""
+
+    num_steps: int = Field(PROFILE_STEPS, ge=1, le=PROFILE_MAX_STEPS)
+
+    def unsupported(self) -> Optional[str]:
+        return None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 

@@ -109,7 +109,10 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
         assert "2 DP attention groups" in srv.log()  # the KV capacity, printed at start-up
         assert _greedy(srv) == one_process_text
         assert srv.post("/stop_profile").status_code == 400  # none started
-        assert srv.post("/start_profile", {"num_steps": 0}).status_code == 400
+        for bad in ({"num_steps": 0}, {"num_steps": 10_001}, {"num_steps": "3"}, {"num_steps": 2.5}, [3]):
+            r = srv.post("/start_profile", bad)
+            assert r.status_code == 400, (bad, r.text)
+        assert srv.post("/start_profile", content=b'{"num_steps": ').status_code == 400  # not JSON
         started = srv.post("/start_profile", {"num_steps": 3})
         assert started.status_code == 200 and srv.post("/start_profile").status_code == 400  # one at a time
         srv.client().completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8)  # > 3 steps: stops itself
