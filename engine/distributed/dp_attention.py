@@ -21,8 +21,12 @@ iteration ends when every rank has nothing left (engine/runtime/rank_loop.py).
 CUDA graphs: when every group runs a decode batch (or nothing) that fits a captured size, all groups
 replay the graph of one padded size, captured with a `uniform` gather (every group at that width,
 padding rows included): the gather's shapes are then static and its all-gather is recorded in the
-graph. An idle group replays it too, with padding rows only. Any group in an extend (or too large a
-batch) sends every group down the eager path with exact counts.
+graph. An idle group replays it too, with padding rows only. When a group extends (a prefill chunk or
+a mixed step) and every group's batch fits a piecewise graph bucket (engine/runner/piecewise_graph.py),
+all groups replay the piecewise chain of one bucket, the smallest that holds the widest group, again
+with a `uniform` gather: each group attends its own batch (extend or decode) between the pieces, and an
+idle group replays the pieces on padding rows. Anything larger sends every group down the eager path
+with exact counts.
 
 Two-batch overlap (engine/model/two_batch.py): each rank also offers how many of its tokens its first
 micro-batch holds (`split`, 0 for a forward it does not split); the gather then knows every group's two
@@ -88,23 +92,27 @@ def uniform(group: TPGroup, width: int) -> DPGather:
 
 # What a rank's next forward runs, in the order the groups take them when they differ (see `agree`).
 MTP, TARGET, DONE = 0, 1, 2
-# one int per rank: kind << 60 | first micro-batch's tokens << 30 | tokens << 1 | graphable
-_KIND_SHIFT, _SPLIT_SHIFT, _TOKEN_BITS = 60, 30, 29
+# one int per rank: kind << 60 | first micro-batch's tokens << 30 | tokens << 2 | piecewise << 1 | graphable
+_KIND_SHIFT, _SPLIT_SHIFT, _TOKEN_SHIFT, _TOKEN_BITS = 60, 30, 2, 28
 
 
 @dataclass
 class Agreement:
     """The forward every rank runs next: its kind (MTP / TARGET; DONE: none, the iteration is over), the
-    gather of each group's tokens (0 for a group whose own next forward is of another kind), and the padded
-    CUDA-graph size every group replays (None: eager)."""
+    gather of each group's tokens (0 for a group whose own next forward is of another kind), the padded
+    CUDA-graph size every group replays (None: not the decode graphs) and the token bucket of the piecewise
+    graphs every group replays (None: not those; both None: eager)."""
 
     kind: int
     gather: DPGather
     graph_bs: Optional[int]
+    piecewise_bs: Optional[int] = None
+    real: Optional[list[int]] = None  # each group's own tokens (a padded forward pads them to one width)
 
 
 def agree(kind: int, tokens: int, group: TPGroup, graph_sizes: Sequence[int] = (),
-          graphable: bool = False, split: int = 0) -> Agreement:
+          graphable: bool = False, split: int = 0, piecewise_sizes: Sequence[int] = (),
+          piecewise: bool = False) -> Agreement:
     """Agree on the next forward (host collective). Each rank offers the kind of its own next forward and
     its tokens; the smallest kind offered runs, with every group whose next forward is of that kind
     contributing its tokens and the others joining with none (an idle forward of that kind; they offer
@@ -116,22 +124,31 @@ def agree(kind: int, tokens: int, group: TPGroup, graph_sizes: Sequence[int] = (
     model's graphs or the MTP layer's, captured at the same sizes) that every contributing group can run
     as a graph (`graphable`: a decode batch a captured graph holds) and one group has tokens: the size is the smallest of `graph_sizes` (the captured sizes, the same on every
     rank) that holds the largest group's batch, and the gather is `uniform` at that size. `split`: the tokens of
-    this rank's first micro-batch under two-batch overlap (0: not split), carried in the eager gather's `splits`."""
+    this rank's first micro-batch under two-batch overlap (0: not split), carried in the eager gather's `splits`.
+
+    Otherwise, for a target forward that every contributing group can run through the piecewise graphs
+    (`piecewise`: its extend or decode batch fits their largest bucket), every group replays the piecewise
+    chain of the smallest of `piecewise_sizes` (the buckets, the same on every rank) that holds the widest
+    group's tokens, with a `uniform` gather at that width."""
     if max(tokens, split) >> _TOKEN_BITS:
         raise ValueError(f"a forward of {tokens} tokens is more than DP attention's agreement can carry")
-    every = comm.all_gather_ints((kind << _KIND_SHIFT) | (split << _SPLIT_SHIFT) | (tokens << 1) | int(graphable),
-                                 group)
+    offer = (kind << _KIND_SHIFT) | (split << _SPLIT_SHIFT) | (tokens << _TOKEN_SHIFT) | (int(piecewise) << 1)
+    every = comm.all_gather_ints(offer | int(graphable), group)
     per_group = group.size // group.dp_size
     firsts = [every[g * per_group] for g in range(group.dp_size)]
     kinds = [v >> _KIND_SHIFT for v in firsts]
     run = min(kinds)
     mine = [k == run for k in kinds]
     mask = (1 << _TOKEN_BITS) - 1
-    counts = [(v >> 1) & mask if m else 0 for v, m in zip(firsts, mine)]
+    counts = [(v >> _TOKEN_SHIFT) & mask if m else 0 for v, m in zip(firsts, mine)]
     splits = [(v >> _SPLIT_SHIFT) & mask if m else 0 for v, m in zip(firsts, mine)]
     widest = max(counts)
     graphs = all(v & 1 or not c for v, c in zip(firsts, counts))
     if run in (TARGET, MTP) and graph_sizes and graphs and 0 < widest <= max(graph_sizes):
         bs = min(s for s in graph_sizes if s >= widest)
-        return Agreement(run, uniform(group, bs), bs)
-    return Agreement(run, DPGather(group, counts, splits), None)
+        return Agreement(run, uniform(group, bs), bs, real=counts)
+    pieces = all(v & 2 or not c for v, c in zip(firsts, counts))
+    if run == TARGET and piecewise_sizes and pieces and 0 < widest <= max(piecewise_sizes):
+        n = min(s for s in piecewise_sizes if s >= widest)
+        return Agreement(run, DPGather(group, [n] * group.dp_size), None, n, real=counts)
+    return Agreement(run, DPGather(group, counts, splits), None, real=counts)

@@ -20,6 +20,14 @@ None without DP attention) gathers the hidden states before each MLP and scatter
 routing counts every MoE layer adds to (`expert_load`, engine/model/expert_load.py; None unless
 --record-expert-load), told each forward's real row count by `begin_forward`.
 
+Padding rows (`pad_rows`): a padded forward (a CUDA graph's, or the piecewise graphs' token bucket) routes its
+padding rows like real ones; under DP attention every group pads to the same width, so at small batches most
+of the MoE's rows are padding (an idle group's all of them). `mask_padding` marks them in a static device buffer
+the captured graphs read (`pad_buffer`, reserved before any capture), and the MoE layers drop their routed
+experts (ids -1: no expert work, no expert weights read for them). The runner marks DP attention's decode
+graphs and every piecewise replay; plain TP's decode graphs are not marked (their padding is a few rows, and
+at batch 1 none).
+
 Two-batch overlap (`two_batch`, engine/model/two_batch.py; None when off): `begin_forward` decides whether the
 forward runs as two micro-batches and, if so, plans each in a context of its own (`micro`: its batch, its
 attention planning, its DP gather, its view of the routing counts). The two contexts are made once and kept, as
@@ -30,13 +38,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, replace
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 import torch
 from torch import nn
 
 from engine.distributed.dp_attention import DPGather
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, tensor_to_device
 from engine.memory.pools import KVPool, ReqToTokenPool
 from engine.model.expert_load import ExpertLoad
 from engine.model.rope import RotaryEmbedding
@@ -86,11 +94,34 @@ class ForwardContext:
     two_batch: Optional[TwoBatchOverlap] = None  # --enable-two-batch-overlap: when a forward splits
     micro: Optional[tuple[MicroBatch, MicroBatch]] = None  # this forward's micro-batches (None: not split)
     halves: Optional[tuple[ForwardContext, ForwardContext]] = field(default=None, repr=False)
+    pad_buffer: Optional[torch.Tensor] = field(default=None, repr=False)  # static bool rows (`reserve_padding`)
+    pad_rows: Optional[torch.Tensor] = field(default=None, repr=False)  # this forward's padding rows (None: none)
+
+    def reserve_padding(self, rows: int, device: torch.device, captured: bool = False) -> None:
+        """The static buffer of `mask_padding`, for padded forwards of up to `rows` MoE input rows. Graphs keep
+        reading the buffer they were captured with, so it may grow only while none is (`captured`: some are)."""
+        if self.pad_buffer is not None and self.pad_buffer.shape[0] >= rows:
+            return
+        if captured and self.pad_buffer is not None:
+            raise RuntimeError("the padding mask must be reserved at its largest size before any graph is captured")
+        self.pad_buffer = torch.zeros(rows, dtype=torch.bool, device=device)
+
+    def mask_padding(self, real: Sequence[int], width: int) -> None:
+        """This forward's MoE input is len(real) blocks of `width` rows (the DP groups' under DP attention, in group
+        order; else one), of which block g's first real[g] are real tokens: the rest are marked as padding, whose
+        routed experts the MoE layers drop. Called after `begin_forward` (which clears the marks) and before
+        the forward's graphs are captured or replayed."""
+        rows = self.pad_buffer[: len(real) * width]
+        counts = tensor_to_device(torch.tensor(real, dtype=torch.int32), rows.device)
+        pad = torch.arange(width, dtype=torch.int32, device=rows.device)[None, :] >= counts[:, None]
+        rows.copy_(pad.view(-1))
+        self.pad_rows = rows
 
     def begin_forward(self, fb: ForwardBatch, graph_bs: Optional[int] = None) -> None:
         """Host-side planning once per forward, before any layer runs (graph_bs: a CUDA graph's padded size:
         the layers then keep static shapes and make no host synchronisation, e.g. the MoE token exchange)."""
         self.static_shapes = graph_bs is not None
+        self.pad_rows = None
         if self.expert_load is not None:
             self.expert_load.begin_forward(fb.num_tokens if fb.real_tokens is None else fb.real_tokens)
         self.micro = self._plan_micro_batches(fb)
@@ -126,4 +157,4 @@ class ForwardContext:
         """A micro-batch's context: this one's pools and backends, its own attention planning and real-row count."""
         load = self.expert_load.view() if self.expert_load is not None else None
         return replace(self, attn_backend=copy.copy(self.attn_backend), expert_load=load, two_batch=None, micro=None,
-                       halves=None)
+                       halves=None, pad_rows=None)

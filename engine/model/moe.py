@@ -44,6 +44,10 @@ runs them there through the MoE backend and brings the weighted outputs back. Th
 whole on every rank (the loader reads them unsplit) and run on the rank's own tokens; nothing is
 all-reduced. Under CUDA graphs (`ctx.static_shapes`) the exchange runs its fixed-size mode.
 
+Padding rows (`ctx.pad_rows`, engine/model/context.py: a DP-attention CUDA graph or a piecewise graph's bucket) have
+their routed (and fused shared) expert ids set to -1 after routing and counting, so the experts do no work for
+them: under DP attention an idle group's padded rows would otherwise route to experts of their own.
+
 Expert placement (`--expert-placement`, engine/distributed/expert_placement.py): under EP a layer may hold E + R
 expert slots, S = (E + R) / ep per rank, the hottest experts with several copies. `to_slots` maps each routed
 logical expert to one of its copies (row + column of the pick, mod its copies) right after routing; from there
@@ -269,6 +273,7 @@ class MoE(nn.Module):
             self._record(ids if ctx.dp is None else ctx.dp.scatter(ids), ctx)
         if self.tp.ep_size > 1:
             ids = local_expert_ids(ids, self.first_expert, self.num_local_experts)
+        ids = drop_padding(ids, ctx.pad_rows)
         out = ctx.moe_backend.experts(self, x, weights, ids)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
@@ -284,6 +289,9 @@ class MoE(nn.Module):
         ids = self.to_slots(ids)
         if ctx.expert_load is not None:
             self._record(ids, ctx, start)
+        if ctx.pad_rows is not None:  # this group's block of the marks, this rank's share of it
+            first = self.tp.dp_rank * x.shape[0] + start
+            ids = drop_padding(ids, ctx.pad_rows[first: first + end - start])
 
         def experts(rows: torch.Tensor, w: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
             return ctx.moe_backend.experts(self, rows, w, local_ids)
@@ -295,6 +303,16 @@ class MoE(nn.Module):
         """The exchange's output for this rank's share plus the shared experts, its padding rows dropped."""
         out = out + self.shared_experts(share.mine) if self.shared_experts is not None else out
         return out[: share.rows]
+
+
+def drop_padding(ids: torch.Tensor, pad: Optional[torch.Tensor]) -> torch.Tensor:
+    """Expert ids [R, k] with every id of a padding row (pad [<= R] bool, True: padding; rows past it are kept)
+    set to -1; `ids` itself when pad is None."""
+    if pad is None:
+        return ids
+    if pad.shape[0] == ids.shape[0]:
+        return ids.masked_fill(pad[:, None], -1)
+    return torch.cat((ids[: pad.shape[0]].masked_fill(pad[:, None], -1), ids[pad.shape[0]:]))
 
 
 def shared_fusion_blocker(cfg: ModelConfig, group: Optional[TPGroup], tp_size: int, fp8_block) -> Optional[str]:

@@ -167,7 +167,9 @@ class ModelRunner:
         if workers and not self.dp_attention:
             with timed(phases, "prefill kernels"):
                 prefill_kernels = self._record_prefill()  # before the capture compiles anything in-process
-        if self.setup.cuda_graphs:
+        if self.setup.cuda_graphs:  # the padding marks' buffer at its largest, before anything is captured
+            rows = max(max(self.setup.graph_batch_sizes), self.args.piecewise_max_tokens())
+            self.forward_ctx.reserve_padding(self.parallel.tp.dp_size * rows, self.device)
             with timed(phases, "CUDA graphs"):
                 self.build_graph_runner(list(self.setup.graph_batch_sizes))
         if prefill_kernels:
@@ -181,6 +183,7 @@ class ModelRunner:
             with timed(phases, "piecewise graphs"):
                 self.build_piecewise(sizes)
         self.two_batch_forwards = 0  # this rank's own forwards run as two micro-batches (--enable-two-batch-overlap)
+        self.forward_paths: dict[str, int] = {}  # this rank's own forwards per path: cuda_graph, piecewise, eager
         self.late_compiles = LateCompileLog()
         if self.device.type == "cuda":
             self.late_compiles.install()  # from here on a compile stalls a step: say which and how long
@@ -302,7 +305,7 @@ class ModelRunner:
         if self.parallel.tp.dp_size == 1:
             return None
         dp = DPSync(self.parallel.tp, self._set_gather)
-        dp.add_idle(TARGET, IdleForward(self._idle_forward, self._replay_padding))
+        dp.add_idle(TARGET, IdleForward(self._idle_forward, self._replay_padding, self._replay_piecewise_idle))
         return dp
 
     @property
@@ -398,6 +401,7 @@ class ModelRunner:
             _raise_recompile_limits()
         if self.draft is not None:  # tree forwards run through the graphs with their KV lists in scratch rows
             self.req_to_token.reserve_scratch(max(batch_sizes))
+        self.forward_ctx.reserve_padding(self.parallel.tp.dp_size * max(batch_sizes), self.device, captured=capture)
         with torch.inference_mode():
             self.graphs = self.graph_runner(self._forward_eager, batch_sizes, capture,
                                             record_scope=self.model.representative_layers)
@@ -407,10 +411,10 @@ class ModelRunner:
                 self.draft.build_graphs(batch_sizes, capture)
 
     def _piecewise_sizes(self) -> list[int]:
-        """Token buckets of the extend steps' piecewise CUDA graphs ([] where they are off: no CUDA graphs, DP
-        attention, --disable-mla, two-batch overlap (its micro-batches run eagerly), or
-        --piecewise-cuda-graph-max-tokens 0)."""
-        off = self.dp is not None or self.setup.expanded_kv or self.forward_ctx.two_batch is not None
+        """Token buckets of the extend steps' piecewise CUDA graphs ([] where they are off: no CUDA graphs,
+        --disable-mla, two-batch overlap (its micro-batches run eagerly), or --piecewise-cuda-graph-max-tokens
+        0)."""
+        off = self.setup.expanded_kv or self.forward_ctx.two_batch is not None
         if not self.setup.cuda_graphs or off:
             return []
         return bucket_sizes(self.args.piecewise_max_tokens())
@@ -418,9 +422,14 @@ class ModelRunner:
     def build_piecewise(self, sizes: list[int], capture: bool = True) -> None:
         """Extend steps of up to max(sizes) tokens through piecewise CUDA graphs (engine/runner/piecewise_graph.py);
         capture=False runs the same cut eagerly (CPU tests)."""
+        prepare = self.dp.prepare_graph if self.dp is not None else None  # DP: each bucket's uniform gather
+        self.forward_ctx.reserve_padding(self.parallel.tp.dp_size * max(sizes), self.device, captured=capture)
         with torch.inference_mode():
             self.piecewise = PiecewiseGraphs(self.model, self.forward_ctx, sizes, self.req_to_token.padding_row,
-                                             self.device, capture=capture)
+                                             self.device, capture=capture, prepare=prepare,
+                                             groups=self.parallel.tp.dp_size)
+        if self.dp is not None:
+            self.dp.piecewise_sizes = self.piecewise.sizes
 
     @property
     def extend_buckets(self) -> tuple[int, ...]:
@@ -490,7 +499,7 @@ class ModelRunner:
             self.draft.release()
         self.graphs = None
         if self.dp is not None:
-            self.dp.graph_sizes = ()
+            self.dp.graph_sizes = self.dp.piecewise_sizes = ()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -501,10 +510,14 @@ class ModelRunner:
 
     def _prepare_graph(self, fb: ForwardBatch, bs: int) -> None:
         """Before a CUDA graph's capture or replay (fb: its padded static batch of size bs): under DP attention
-        the gather every group records at that padded size, then the backends' host planning."""
+        the gather every group records at that padded size, then the backends' host planning, then (DP attention)
+        the padding rows of every group, which the MoE layers skip (at capture, fb.real_tokens None: none)."""
         if self.dp is not None:
             self.dp.prepare_graph(bs)
         self.forward_ctx.begin_forward(fb, bs)
+        if self.dp is not None:
+            groups = self.parallel.tp.dp_size
+            self.forward_ctx.mask_padding([bs] * groups if fb.real_tokens is None else self.dp.real, bs)
 
     @property
     def dp_attention(self) -> bool:
@@ -529,6 +542,9 @@ class ModelRunner:
     def _replay_padding(self, bs: int) -> None:
         self.graphs.replay_padding(bs)
 
+    def _replay_piecewise_idle(self, n: int) -> None:
+        self.piecewise.replay_idle(n, self.idle_batch(), self.dp.real)
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
         return self.run_forward(TARGET, fb, self.graphs, self._forward_eager)
@@ -536,20 +552,25 @@ class ModelRunner:
     def run_forward(self, kind: int, fb: ForwardBatch, graphs: Optional[CudaGraphRunner],
                     eager: EagerForward) -> ForwardOutput:
         """One forward of `kind` (dp_attention.TARGET: the model; MTP: the draft, engine/speculative/): the CUDA
-        graph when one holds fb (under DP attention: when every group's does, at the agreed size), else
-        eagerly."""
+        graph when one holds fb, else (the model's) the piecewise graphs when they do, else eagerly; under DP
+        attention, the path and the padded size every group agreed on."""
         graphable = graphs is not None and graphs.can_run(fb)
-        graph_bs = None
+        pieces = kind == TARGET and self.piecewise is not None and self.piecewise.can_run(fb)
+        graph_bs = pieces_bs = real = None
         if self.dp is not None:
             split = split_point(fb)[1] if kind == TARGET and self.forward_ctx.two_batch is not None else 0
-            graph_bs = self.dp.before_forward(kind, fb.num_tokens, graphable, split)
-        if graph_bs is not None or (graphable and self.dp is None):
+            agreed = self.dp.before_forward(kind, fb.num_tokens, graphable, split, pieces)
+            graph_bs, pieces_bs, real = agreed.graph_bs, agreed.piecewise_bs, agreed.real
+            graphable, pieces = graph_bs is not None, pieces_bs is not None
+        if graphable:
             logits, hidden = graphs.replay(fb, graph_bs)
-        elif kind == TARGET and self.piecewise is not None and self.piecewise.can_run(fb):
-            logits, hidden = self.piecewise.replay(fb)
+        elif pieces:
+            logits, hidden = self.piecewise.replay(fb, pieces_bs, real)
         else:
             self.forward_ctx.begin_forward(fb)
             logits, hidden = eager(fb)
+        path = "cuda_graph" if graphable else "piecewise" if pieces else "eager"
+        self.forward_paths[path] = self.forward_paths.get(path, 0) + 1
         self.two_batch_forwards += self.forward_ctx.micro is not None
         return ForwardOutput(logits=logits, hidden=hidden)
 

@@ -14,15 +14,23 @@ c_kv, k_pe) into static buffers shared by every layer and bucket; at replay the 
 eagerly on the batch's own T tokens (its usual host planning, once per step) and writes into a static
 output buffer, which the next segment reads. The logits are computed eagerly from the hidden states.
 
-A batch of T tokens replays the smallest bucket >= T: rows past T are padding (token 0, position 0, KV slot 0,
+A batch of T tokens replays the smallest bucket >= T (under DP attention: the bucket the groups agreed on,
+engine/distributed/dp_attention.py `agree`): rows past T are padding (token 0, position 0, KV slot 0,
 the pool's scratch slot); their attention output is whatever finite values an earlier step left in the
 static output (zero at first), and nothing reads their results. Every graph of every bucket shares one
 memory pool (captured largest bucket first): a chain replays whole before another starts, and what
 crosses a cut lives in this runner's static buffers.
 
-Not used under DP attention (the groups' token counts differ per step), with --disable-mla (its attention
-writes the cache itself) or with torch.compile; those extend steps run eagerly as before. `capture=False`
-runs the same padded batches and static buffers eagerly, attention through the same cut (CPU tests).
+Decode batches that no decode graph holds (larger than the largest captured size, or under DP attention
+while another group extends) replay the same chains: only attention depends on the batch's mode, and it
+runs outside them.
+
+Under DP attention every group replays the chain of the same bucket, each with its own T tokens (an idle
+group none: `replay_idle`), and the gather before each MLP is captured at that bucket's width for every
+group (`prepare`: the runner's uniform gather), so its all-gather is recorded in the pieces. Not used with
+--disable-mla (its attention writes the cache itself), two-batch overlap (its micro-batches run eagerly) or
+torch.compile; those extend steps run eagerly as before. `capture=False` runs the same padded batches and
+static buffers eagerly, attention through the same cut (CPU tests).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import bisect
 import dataclasses
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -71,10 +79,14 @@ class _Cut:
 
 class PiecewiseGraphs:
     def __init__(self, model, ctx: ForwardContext, sizes: list[int], padding_row: int, device: torch.device,
-                 capture: bool = True):
+                 capture: bool = True, prepare: Optional[Callable[[int], None]] = None, groups: int = 1):
         """model: a DeepseekForCausalLM; ctx: its forward context (its attention backend is the real one);
-        sizes: token buckets; padding_row: the request table's padding row (its slots are the scratch slot)."""
+        sizes: token buckets; padding_row: the request table's padding row (its slots are the scratch slot);
+        prepare: called with each bucket before its capture (DP attention: the gather at that width); groups:
+        the DP groups whose rows the MoE sees (1 without DP attention)."""
         self.model, self.ctx, self.sizes, self.device = model, ctx, tuple(sorted(sizes)), device
+        self.prepare = prepare
+        self.groups = groups  # blocks of the MoE's padded input
         self.padding_row = padding_row
         n = self.max_tokens = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -121,8 +133,13 @@ class PiecewiseGraphs:
 
     def _attend(self, layer) -> None:
         t = self._tokens
+        if not t:
+            return  # an idle group's replay: no attention of its own
         q_nope, q_pe, c_kv, k_pe = (buf[:t] for buf in self.attn_in)
-        out = self._backend.extend(layer, q_nope, q_pe, c_kv, k_pe, self._fb, self.ctx)
+        if self._fb.mode.is_decode:
+            out = self._backend.decode(layer, q_nope, q_pe, self._fb, self.ctx)
+        else:
+            out = self._backend.extend(layer, q_nope, q_pe, c_kv, k_pe, self._fb, self.ctx)
         self.attn_out[:t].copy_(out)
 
     # ---- capture ---------------------------------------------------------------------------------
@@ -149,6 +166,9 @@ class PiecewiseGraphs:
         warm_up = 0.0
         for n in reversed(self.sizes):
             fb = self._static_batch(n)
+            if self.prepare is not None:
+                self.prepare(n)
+            self.ctx.mask_padding([n] * self.groups, n)  # the marks' ops are captured (their values are the replay's)
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 t1 = time.perf_counter()
@@ -167,6 +187,7 @@ class PiecewiseGraphs:
                 self._capturing = None
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
             torch.cuda.synchronize(self.device)
+        self.ctx.pad_rows = None
         self.capture_seconds = time.perf_counter() - t0
         log.info("piecewise CUDA graphs: %d token buckets up to %d, %d layers each, captured in %.1f s (warm-up "
                  "forwards %.1f s)", len(self.sizes), self.max_tokens, len(self.layers), self.capture_seconds, warm_up)
@@ -180,19 +201,43 @@ class PiecewiseGraphs:
 
     # ---- replay ----------------------------------------------------------------------------------
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.mode is ForwardMode.EXTEND and 0 < fb.num_tokens <= self.max_tokens and fb.spec_hidden is None
+        return (fb.mode in (ForwardMode.EXTEND, ForwardMode.DECODE) and 0 < fb.num_tokens <= self.max_tokens
+                and fb.spec_hidden is None)
 
-    def replay(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits at fb.logits_indices, hidden states [T, hidden]) of extend batch fb."""
+    def bucket(self, tokens: int) -> int:
+        """The smallest bucket that holds `tokens` tokens."""
+        return self.sizes[bisect.bisect_left(self.sizes, tokens)]
+
+    def replay(self, fb: ForwardBatch, n: Optional[int] = None,
+               real: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits at fb.logits_indices, hidden states [T, hidden]) of extend or decode batch fb, through the
+        chain of bucket n (default: the smallest that holds it); real: every DP group's own tokens (DP attention;
+        default: fb's alone), whose padding rows the MoE layers skip."""
         t = fb.num_tokens
-        n = self.sizes[bisect.bisect_left(self.sizes, t)]
+        n = n or self.bucket(t)
         for buf, src in ((self.input_ids, fb.input_ids), (self.positions, fb.positions),
                          (self.out_cache_loc, fb.out_cache_loc)):
             buf[:t].copy_(src)
             if n > t:
                 buf[t:n].zero_()
         self.ctx.begin_forward(fb)  # the real backend's planning for the real batch
-        self._fb, self._tokens = fb, t
+        self.ctx.mask_padding(real or [t], n)
+        hidden = self._run_chain(fb, n)[:t].clone()  # the static copy is the next replay's
+        return self.model.logits(hidden[fb.logits_indices]), hidden
+
+    def replay_idle(self, n: int, idle: ForwardBatch, real: Sequence[int]) -> None:
+        """The chain of bucket n on padding rows only (idle: a batch of no tokens; real: every DP group's own
+        tokens): a DP-attention group with no work of its own joins the collectives the other groups' replays of n
+        run."""
+        for buf in (self.input_ids, self.positions, self.out_cache_loc):
+            buf[:n].zero_()
+        self.ctx.begin_forward(idle)  # no attention planning; no routing counted
+        self.ctx.mask_padding(real, n)
+        self._run_chain(idle, n)
+
+    def _run_chain(self, fb: ForwardBatch, n: int) -> torch.Tensor:
+        """Every piece of bucket n, the real attention of fb's tokens between them; the final hidden states [n]."""
+        self._fb, self._tokens = fb, fb.num_tokens
         try:
             if n in self.chains:
                 chain = self.chains[n]
@@ -200,10 +245,9 @@ class PiecewiseGraphs:
                     graph.replay()
                     self._attend(layer)
                 chain[-1].replay()
-                hidden = self.hidden[n][:t].clone()  # the static copy is the next replay's
-            else:  # capture=False: the same cut, run eagerly
-                hidden = self._run_model(self._static_batch(n))[:t]
+                return self.hidden[n]
+            return self._run_model(self._static_batch(n))  # capture=False: the same cut, run eagerly
         finally:
             self._fb = None
             self.ctx.static_shapes = False
-        return self.model.logits(hidden[fb.logits_indices]), hidden
+            self.ctx.pad_rows = None

@@ -98,7 +98,12 @@ class DPController:
         rate = sum(s.prefix_cache_hit_rate for s in per_group) / len(per_group)
         hists = [s.spec_accept_hist for s in per_group if s.spec_accept_hist]
         accept = tuple(map(sum, zip(*hists))) if hists else ()  # every group has the same buckets
+        paths = {}
+        for s in per_group:
+            for path, n in s.forward_paths.items():
+                paths[path] = paths.get(path, 0) + n
         return replace(first, **total, prefix_cache_hit_rate=rate, dp_requests=tuple(self.dispatched),
+                       forward_paths=paths,
                        dp_running=tuple(self.load),
                        dp_kv_used_tokens=tuple(s.kv_total_tokens - s.kv_free_tokens for s in per_group),
                        dp_kv_load_tokens=tuple(self.tokens),

@@ -116,6 +116,7 @@ class EngineStats:
     spec_accept_hist: tuple[int, ...] = ()
     spec_plain_steps: int = 0  # cumulative: decode steps run without speculation (--speculative-disable-by-batch-size)
     two_batch_forwards: int = 0  # cumulative: forwards run as two micro-batches (--enable-two-batch-overlap)
+    forward_paths: dict = field(default_factory=dict)  # cumulative: forwards per path (cuda_graph, piecewise, eager)
     # cumulative, per step kind: (per-bucket counts of engine.scheduler.step_times.BUCKETS and +Inf, seconds)
     step_seconds: dict = field(default_factory=dict)
 

@@ -74,6 +74,7 @@ def scheduler_stats(scheduler, runner) -> protocol.EngineStats:
                                 spec_accept_hist=extra.get("spec_accept_hist", ()),
                                 spec_plain_steps=extra.get("spec_plain_steps", 0),
                                 two_batch_forwards=runner.two_batch_forwards,
+                                forward_paths=dict(runner.forward_paths),
                                 step_seconds=extra.get("step_seconds", {}))
 
 

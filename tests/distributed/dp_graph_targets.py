@@ -2,8 +2,10 @@
 and the mirrored prefill-cap test.
 
 `padded_decode_engine` builds the normal Engine and then routes its decode batches through the CUDA
-graph runner's padded static batches with capture=False: the same padding, per-size batches, graph-size
-agreement between DP groups and idle padding replays as on a GPU, run eagerly on the CPU.
+graph runner's padded static batches and its extend batches through the piecewise graphs' cut (token
+buckets 16, 32, 64; not under two-batch overlap, as on a GPU), both with capture=False: the same padding,
+per-size batches, size and bucket agreement between DP groups and idle padding replays as on a GPU, run
+eagerly on the CPU.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ from engine.engine import Engine
 from engine.scheduler.prefill_budget import PrefillBudget
 
 PADDED_SIZES = [1, 2, 4, 8]
+PIECEWISE_BUCKETS = [16, 32, 64]  # the tests' steps: at most 48 prompt tokens and 8 decode rows
 
 
 def padded_decode_engine(args, local_rank: int) -> Engine:
     engine = Engine(args, local_rank=local_rank)
     engine.runner.build_graph_runner(PADDED_SIZES, capture=False)
+    if engine.runner.forward_ctx.two_batch is None:
+        engine.runner.build_piecewise(PIECEWISE_BUCKETS, capture=False)
     return engine
 
 

@@ -127,9 +127,10 @@ A2A = dict(ep_size=None, moe_a2a_backend="torch")
 @pytest.mark.parametrize("model, tp, dp, layout", [("tiny", 2, 2, A2A), ("tiny-fp8", 4, 2, {})],
                          ids=["dp2-a2a", "dp2-tp4"])
 def test_dp_attention_padded_decode_matches_one_process(reference, model, tp, dp, layout):
-    """Decode through padded static batches as CUDA graphs run them (capture=False on CPU): the DP groups
-    agree on one padded size per step (a group with fewer requests pads; an idle group replays padding
-    rows only), and extends stay eager. Same greedy tokens as one process, with one group loaded alone (at
+    """Decode through padded static batches as CUDA graphs run them, extends (and decodes while another group
+    extends) through the piecewise graphs' cut (capture=False on CPU): the DP groups agree on one padded size
+    or token bucket per step (a group with fewer tokens pads; an idle group replays padding rows only), so
+    no forward runs eagerly. Same greedy tokens as one process, with one group loaded alone (at
     TP 2; TP 4's four ranks on CI's two cores make each phase slow) and with both loaded. With
     --moe-a2a-backend torch the graph-shaped forwards run the exchange's fixed-size mode and the eager ones its
     variable mode (plain TP with the exchange, each rank exchanging its padded share of the batch, runs in
@@ -151,8 +152,10 @@ def test_dp_attention_padded_decode_matches_one_process(reference, model, tp, dp
             got = eng.generate(input_ids=prompts[:5], sampling_params=_params(5), dp_rank=1)
             assert [o.token_ids for o in got] == [o.token_ids for o in ref[:5]]
         got = eng.generate(input_ids=prompts, sampling_params=_params(len(prompts)))
+        paths = eng.stats.forward_paths
     worst = logprob_gap(got, ref)
     assert worst <= LOGPROB_ATOL, f"log-probs differ by {worst:.2e}"
+    assert paths.get("piecewise", 0) > 0 and paths.get("cuda_graph", 0) > 0 and not paths.get("eager"), paths
 
 
 def _placement_file(path, model: str, ep: int, redundant: int) -> str:

@@ -144,6 +144,8 @@ def test_dp_attention_server_spreads_64_streams_over_both_groups(one_process_tex
         assert all(n > 0 for n in used), used  # each group's prefix cache holds its finished streams
         assert all(f'dsctl_dp_kv_load_tokens{{dp_rank="{g}"}}' in m for g in (0, 1)), sorted(m)
         assert m["dsctl_two_batch_forwards_total"] > 0, sorted(m)
+        # no graphs on CPU: every forward eager, the groups' own forwards summed (the idle ones not counted)
+        assert m['dsctl_forwards_total{path="eager"}'] >= 64 and 'dsctl_forwards_total{path="piecewise"}' not in m
         async def burst():  # 32 at once: one collective answers them (the client coalesces), all get it
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
                 return await asyncio.gather(*(http.get("/expert_load") for _ in range(32)))

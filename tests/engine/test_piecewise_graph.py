@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
+from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.runner.piecewise_graph import bucket_sizes
 from engine.sampling import SamplingParams
 from tests.same_outputs import logprob_gap
@@ -40,9 +41,9 @@ def test_piecewise_extend_identical(monkeypatch, model):
     eng.runner.build_piecewise([16, 32], capture=False)  # steps of up to 24 tokens (a chunk)
     calls, real = [], eng.runner.piecewise.replay
 
-    def counted(fb):
+    def counted(fb, *args):
         calls.append(fb.num_tokens)
-        return real(fb)
+        return real(fb, *args)
 
     monkeypatch.setattr(eng.runner.piecewise, "replay", counted)
     ps = _prompts()
@@ -80,3 +81,49 @@ def test_piecewise_max_tokens_flag():
     assert EngineArgs.of(model="tiny", piecewise_cuda_graph_max_tokens=0).piecewise_max_tokens() == 0
     with pytest.raises(UsageError, match="piecewise-cuda-graph-max-tokens"):
         EngineArgs.of(model="tiny", piecewise_cuda_graph_max_tokens=-2).validate()
+
+
+def test_padding_marks_every_groups_rows_past_its_own():
+    """DP attention pads every group's block to one width; the marks say which rows of the MoE input are padding,
+    and the MoE drops every expert id of those rows (rows past the marks, e.g. an exchange's own padding, kept)."""
+    from engine.model.context import ForwardContext
+    from engine.model.moe import drop_padding
+
+    ctx = ForwardContext(None, None, None, None, None)
+    ctx.reserve_padding(12, torch.device("cpu"))
+    ctx.mask_padding([2, 0, 3], 4)
+    assert ctx.pad_rows.tolist() == [False, False, True, True] + [True] * 4 + [False, False, False, True]
+    ids = torch.arange(14 * 2, dtype=torch.int32).view(14, 2)
+    got = drop_padding(ids, ctx.pad_rows)
+    assert (got[ctx.pad_rows.nonzero().flatten()] == -1).all() and (got[[0, 1, 8, 9, 10, 12, 13]] >= 0).all()
+    assert drop_padding(ids, None) is ids
+    with pytest.raises(RuntimeError, match="before any graph"):
+        ctx.reserve_padding(24, torch.device("cpu"), captured=True)
+    ctx.begin_forward(ForwardBatch.build(ForwardMode.IDLE, [], [], [], [], torch.empty(0, dtype=torch.int64), [],
+                                         torch.device("cpu")))
+    assert ctx.pad_rows is None  # a forward starts unmarked
+
+
+def test_piecewise_padding_rows_reach_no_expert(monkeypatch):
+    """Through the piecewise cut, the rows a step pads to its bucket route to no expert; its own rows do."""
+    eng = Engine(model="tiny", **FLAGS)
+    eng.runner.build_piecewise([16, 32], capture=False)
+    ctx, seen, tokens = eng.runner.forward_ctx, [], []
+    replay, experts = eng.runner.piecewise.replay, ctx.moe_backend.experts
+
+    def counted(fb, *args):
+        tokens.append(fb.num_tokens)
+        return replay(fb, *args)
+
+    def recorded(moe, x, weights, ids):
+        seen.append((tokens[-1] if ctx.pad_rows is not None else None, ids.clone()))
+        return experts(moe, x, weights, ids)
+
+    monkeypatch.setattr(eng.runner.piecewise, "replay", counted)
+    monkeypatch.setattr(ctx.moe_backend, "experts", recorded)
+    eng.generate(input_ids=_prompts(4), sampling_params=SamplingParams(max_new_tokens=3, temperature=0))
+    padded = [(t, ids) for t, ids in seen if t is not None and ids.shape[0] > t]
+    assert padded, "no padded piecewise step reached the MoE"
+    for t, ids in padded:
+        routed = (ids >= 0).any(1)
+        assert routed[:t].all() and not routed[t:].any(), (t, ids.shape)
