@@ -135,6 +135,11 @@ def test_plan_and_runner_size_the_pool_by_one_rule():
     assert abs(seen.memory_tokens + ROUTER_GROWTH_TOKENS - 138_661) < 0.01 * 138_661
     busy = plan_memory(v2_spec(gpu_used_bytes=used_by_others(H100, H100 - own_context - 10 * GB)))
     assert abs(seen.kv_bytes - busy.kv_bytes - 10 * GB) < 0.02 * GB  # another process's 10 GB: 10 GB less KV
+    # a rank that has joined its NCCL groups (DP attention's too) holds their reserves itself: not another process's
+    joined = own_context + (0.41 + 0.17) * GB
+    assert used_by_others(H100, H100 - joined, communicators=True, dp_attention=True) == used_by_others(
+        H100, H100 - own_context)
+    assert used_by_others(H100, H100 - joined) == pytest.approx(used_by_others(H100, H100 - own_context) + 0.58 * GB)
     one_gpu = plan_memory(dataclasses.replace(v2_spec(), tp=1))
     assert sum(plan.reserve.values()) - sum(one_gpu.reserve.values()) == pytest.approx(0.41 * GB)  # NCCL
 
@@ -233,12 +238,13 @@ def test_runner_refuses_before_loading_when_others_hold_the_memory(monkeypatch):
 
     from engine.args import EngineArgs
     from engine.checkpoint.resolve import resolve_model
-    from engine.memory.plan import CUDA_CONTEXT_BYTES
+    from engine.memory.plan import CUDA_CONTEXT_BYTES, NCCL_RESERVE_BYTES
     from engine.runner import model_runner
 
     args = EngineArgs.of(model="deepseek-v2", load_format="dummy", quantization="fp8", tp_size=4)
     resolved = resolve_model(args.model)
     tp = SimpleNamespace(size=4, dp_size=1, ep_size=1)  # rank 0 of 4; the max over ranks: this rank's value
+    # the rank holds its CUDA context and (having joined its NCCL groups) their communicators: neither is others'
     runner = SimpleNamespace(device=torch.device("cuda"), parallel=SimpleNamespace(tp=tp), resolved=resolved,
                              args=args, config=resolved.config, fp8_block=(128, 128))
     runner._plan_spec = MethodType(model_runner.ModelRunner._plan_spec, runner)
@@ -247,7 +253,7 @@ def test_runner_refuses_before_loading_when_others_hold_the_memory(monkeypatch):
     held = model_runner.ModelRunner._memory_held_elsewhere
     for others, expect in ((60 * GB, None), (4 * GB, 4 * GB), (0.0, 0.0)):
         monkeypatch.setattr(model_runner.torch.cuda, "mem_get_info",
-                            lambda _, o=others: (H100 - o - CUDA_CONTEXT_BYTES, H100))
+                            lambda _, o=others: (H100 - o - CUDA_CONTEXT_BYTES - NCCL_RESERVE_BYTES, H100))
         if expect is None:
             with pytest.raises(UsageError, match="60.0 GB of the GPU held by other processes.*free the 60.0 GB"):
                 held(runner)

@@ -219,10 +219,14 @@ def kv_pool_tokens(total: float, used: float, mem_fraction_static: float, per_to
     return max(0, int((total * mem_fraction_static - used) // per_token))
 
 
-def used_by_others(total: float, free: float) -> float:
+def used_by_others(total: float, free: float, communicators: bool = False, dp_attention: bool = False) -> float:
     """What other processes use, from `torch.cuda.mem_get_info` asked by a process holding no tensors (its own
-    CUDA context is in the start-up reserve, not in `gpu_used_bytes`)."""
-    return max(0.0, total - free - CUDA_CONTEXT_BYTES)
+    CUDA context is in the start-up reserve, not in `gpu_used_bytes`). `communicators`: the process has joined a
+    group of ranks over NCCL (their communicators are set up when it joins, and are in the reserve too:
+    NCCL_RESERVE_BYTES, and DP_ATTENTION_RESERVE_BYTES with `dp_attention`)."""
+    own = CUDA_CONTEXT_BYTES + (NCCL_RESERVE_BYTES if communicators else 0.0)
+    own += DP_ATTENTION_RESERVE_BYTES if communicators and dp_attention else 0.0
+    return max(0.0, total - free - own)
 
 
 def reserve_bytes(spec: PlanSpec) -> dict[str, float]:

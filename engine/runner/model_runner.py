@@ -357,7 +357,8 @@ class ModelRunner:
             return 0.0
         free, total = torch.cuda.mem_get_info(self.device)
         tp = self.parallel.tp
-        others = float(-all_reduce_min_int(-int(used_by_others(total, free)), tp))
+        mine = used_by_others(total, free, communicators=tp.size > 1, dp_attention=tp.dp_size > 1)
+        others = float(-all_reduce_min_int(-int(mine), tp))
         if others >= OTHERS_NOTED:
             r = self.resolved
             mtp = has_mtp_layer(r.config, None if r.dummy else r.path)
