@@ -51,7 +51,8 @@ def moe_gate_ref(x: torch.Tensor, gate_weight: Optional[torch.Tensor] = None, *,
                  method: str = "noaux_tc", n_group: int = 1, topk_group: int = 1,
                  correction_bias: Optional[torch.Tensor] = None, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = 1.0, scoring_func: Optional[str] = None,
-                 ids_dtype: torch.dtype = torch.int32, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 ids_dtype: torch.dtype = torch.int32, n_shared: int = 0,
+                 pad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference for `moe_gate` (same arguments)."""
     logits = _logits(x, gate_weight)
     t, e = logits.shape
@@ -78,6 +79,8 @@ def moe_gate_ref(x: torch.Tensor, gate_weight: Optional[torch.Tensor] = None, *,
         shared = torch.arange(e, e + n_shared, dtype=ids_dtype, device=ids.device).expand(t, -1)
         weights = torch.cat((weights, weights.new_ones(t, n_shared)), dim=1)
         ids = torch.cat((ids, shared), dim=1)
+    if pad is not None:  # padding rows: no expert (rows past pad's are kept)
+        ids[: pad.shape[0]].masked_fill_(pad[:, None], -1)
     return weights, ids
 
 
@@ -89,12 +92,13 @@ def _argmax_first(v, idx, BIG: tl.constexpr):
 
 
 @triton.jit
-def _gate_rows(x, rows_c, r_mask, bias_ptr, w_ptr, ids_ptr, E, scaling,
+def _gate_rows(x, rows_c, r_mask, bias_ptr, w_ptr, ids_ptr, pad_ptr, P, E, scaling,
                TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                GROUP_SIZE: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
-               HAS_BIAS: tl.constexpr, NORM: tl.constexpr, N_SHARED: tl.constexpr,
+               HAS_BIAS: tl.constexpr, NORM: tl.constexpr, N_SHARED: tl.constexpr, HAS_PAD: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The gate of BLOCK_T rows of float32 logits x [BLOCK_T, BLOCK_E] (-inf past E): weights and ids stored."""
+    """The gate of BLOCK_T rows of float32 logits x [BLOCK_T, BLOCK_E] (-inf past E): weights and ids stored; with
+    HAS_PAD, the ids of the rows < P that pad (int8 [P], 1: a padding row) marks are -1 (no expert)."""
     e = tl.arange(0, BLOCK_E)
     e_ok = (e < E)[None, :]
     if SIGMOID:
@@ -147,6 +151,9 @@ def _gate_rows(x, rows_c, r_mask, bias_ptr, w_ptr, ids_ptr, E, scaling,
         shared = (k_idx >= TOP_K)[None, :]
         weights = tl.where(shared, 1.0, weights)
         ids = tl.where(shared, E + k_idx[None, :] - TOP_K, ids)
+    if HAS_PAD:
+        padded = tl.load(pad_ptr + rows_c, mask=r_mask & (rows_c < P), other=0)
+        ids = tl.where(padded[:, None] != 0, -1, ids)
     out_mask = r_mask[:, None] & (k_idx[None, :] < TOP_K + N_SHARED)
     offs = rows_c[:, None] * (TOP_K + N_SHARED) + k_idx[None, :]
     tl.store(w_ptr + offs, weights, mask=out_mask)
@@ -154,10 +161,10 @@ def _gate_rows(x, rows_c, r_mask, bias_ptr, w_ptr, ids_ptr, E, scaling,
 
 
 @triton.jit
-def _moe_gate_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_lt, scaling,
+def _moe_gate_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, pad_ptr, P, T, E, stride_lt, scaling,
                      TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                      GROUP_SIZE: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, N_SHARED: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, N_SHARED: tl.constexpr, HAS_PAD: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
                      BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
@@ -166,16 +173,17 @@ def _moe_gate_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_lt, scal
     rows_c = tl.minimum(rows, T - 1).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + rows_c[:, None] * stride_lt + e[None, :], mask=(e < E)[None, :], other=float("-inf"))
-    _gate_rows(x.to(tl.float32), rows_c, r_mask, bias_ptr, w_ptr, ids_ptr, E, scaling, TOP_K, N_GROUP, TOPK_GROUP,
-               GROUP_SIZE, METHOD, SIGMOID, HAS_BIAS, NORM, N_SHARED, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_K)
+    _gate_rows(x.to(tl.float32), rows_c, r_mask, bias_ptr, w_ptr, ids_ptr, pad_ptr, P, E, scaling, TOP_K, N_GROUP,
+               TOPK_GROUP, GROUP_SIZE, METHOD, SIGMOID, HAS_BIAS, NORM, N_SHARED, HAS_PAD, BLOCK_T, BLOCK_E, BLOCK_G,
+               BLOCK_K)
 
 
 @triton.jit
-def _router_gate_kernel(x_ptr, gw_ptr, ws_ptr, count_ptr, bias_ptr, w_ptr, ids_ptr, T, E, H, stride_xt,
+def _router_gate_kernel(x_ptr, gw_ptr, ws_ptr, count_ptr, bias_ptr, w_ptr, ids_ptr, pad_ptr, P, T, E, H, stride_xt,
                         stride_ge, scaling,
                         TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                         GROUP_SIZE: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, N_SHARED: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, N_SHARED: tl.constexpr, HAS_PAD: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_EW: tl.constexpr, BLOCK_H: tl.constexpr,
                         SPLIT_H: tl.constexpr, PROGRAMS: tl.constexpr, PDL: tl.constexpr = False):
@@ -212,19 +220,23 @@ def _router_gate_kernel(x_ptr, gw_ptr, ws_ptr, count_ptr, bias_ptr, w_ptr, ids_p
             logits += tl.load(ws_ptr + s * (BLOCK_T * BLOCK_E) + rows[:, None] * BLOCK_E + e[None, :],
                               cache_modifier=".cg")
         logits = tl.where((e < E)[None, :], logits, float("-inf"))
-        _gate_rows(logits, rows_c, r_mask, bias_ptr, w_ptr, ids_ptr, E, scaling, TOP_K, N_GROUP, TOPK_GROUP,
-                   GROUP_SIZE, METHOD, SIGMOID, HAS_BIAS, NORM, N_SHARED, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_K)
+        _gate_rows(logits, rows_c, r_mask, bias_ptr, w_ptr, ids_ptr, pad_ptr, P, E, scaling, TOP_K, N_GROUP,
+                   TOPK_GROUP, GROUP_SIZE, METHOD, SIGMOID, HAS_BIAS, NORM, N_SHARED, HAS_PAD, BLOCK_T, BLOCK_E,
+                   BLOCK_G, BLOCK_K)
 
 
 def moe_gate(x: torch.Tensor, gate_weight: Optional[torch.Tensor] = None, *, top_k: int,
              method: str = "noaux_tc", n_group: int = 1, topk_group: int = 1,
              correction_bias: Optional[torch.Tensor] = None, norm_topk_prob: bool = True,
              routed_scaling_factor: float = 1.0, scoring_func: Optional[str] = None,
-             ids_dtype: torch.dtype = torch.int32, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+             ids_dtype: torch.dtype = torch.int32, n_shared: int = 0,
+             pad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] (or hidden [T, H] with gate_weight [E, H]; logits in float32)
     -> (topk_weights [T, top_k + n_shared] float32, topk_ids [T, top_k + n_shared] ids_dtype).
     With gate_weight and FUSED_MIN_T to FUSED_MAX_T rows, the logits and the gate run in one launch
-    (`_router_gate_kernel`); otherwise the logits are a float32 matmul first."""
+    (`_router_gate_kernel`); otherwise the logits are a float32 matmul first. pad: bool [P <= T], True at
+    padding rows (a padded forward's, engine/model/context.py): their ids are -1, no expert (read in the same
+    launch; rows past P are routed)."""
     if method not in METHODS:
         raise ValueError(f"unknown gate method {method!r}; expected one of {sorted(METHODS)}")
     t = x.shape[0]
@@ -241,10 +253,12 @@ def moe_gate(x: torch.Tensor, gate_weight: Optional[torch.Tensor] = None, *, top
     gate = dict(TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, GROUP_SIZE=e // n_group,
                 METHOD=METHODS[method], SIGMOID=_scoring(method, scoring_func) == "sigmoid",
                 HAS_BIAS=correction_bias is not None and method == "noaux_tc", NORM=norm_topk_prob and top_k > 1,
-                N_SHARED=n_shared, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(n_group),
+                N_SHARED=n_shared, HAS_PAD=pad is not None, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(n_group),
                 BLOCK_K=triton.next_power_of_2(top_k + n_shared))
+    pad_rows = pad.view(torch.int8) if pad is not None else ids  # (ids: an unread stand-in without pad)
+    pads = (pad_rows, pad.shape[0] if pad is not None else 0)
     if gate_weight is not None and FUSED_MIN_T <= t <= FUSED_MAX_T:
-        router_gate(x, gate_weight, correction_bias, weights, ids, float(routed_scaling_factor), gate)
+        router_gate(x, gate_weight, correction_bias, weights, ids, float(routed_scaling_factor), gate, pads)
         return weights, ids
     logits = _logits(x, gate_weight)
     if logits.stride(-1) != 1:
@@ -252,7 +266,7 @@ def moe_gate(x: torch.Tensor, gate_weight: Optional[torch.Tensor] = None, *, top
     block_t = max(1, min(16, 2048 // block_e, triton.next_power_of_2(t)))
     bias = correction_bias if correction_bias is not None else logits
     _moe_gate_kernel[(triton.cdiv(t, block_t),)](
-        logits, bias, weights, ids, t, e, logits.stride(0), float(routed_scaling_factor), BLOCK_T=block_t,
+        logits, bias, weights, ids, *pads, t, e, logits.stride(0), float(routed_scaling_factor), BLOCK_T=block_t,
         num_warps=ONE_ROW_GATE_WARPS if t == 1 else GATE_WARPS, **gate, **launch_options())
     return weights, ids
 
@@ -277,8 +291,9 @@ def router_split(blocks: int, h: int, block_h: int, device: torch.device) -> int
 
 
 def router_gate(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional[torch.Tensor], weights: torch.Tensor,
-                 ids: torch.Tensor, scaling: float, gate: dict) -> None:
-    """The fused router (`_router_gate_kernel`) into weights / ids."""
+                ids: torch.Tensor, scaling: float, gate: dict, pads: tuple) -> None:
+    """The fused router (`_router_gate_kernel`) into weights / ids (pads: the padding rows' int8 marks and
+    their count, see `moe_gate`)."""
     t, h = x.shape
     e = gate_weight.shape[0]
     if x.stride(-1) != 1:
@@ -292,5 +307,5 @@ def router_gate(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional[torch
     ws = torch.empty(parts * block_t * gate["BLOCK_E"], dtype=torch.float32, device=x.device)
     _router_gate_kernel[(programs,)](
         x, gate_weight, ws, split_k.arrivals(x.device), bias if bias is not None else gate_weight, weights, ids,
-        t, e, h, x.stride(0), gate_weight.stride(0), scaling, BLOCK_T=block_t, BLOCK_EW=block_ew,
+        *pads, t, e, h, x.stride(0), gate_weight.stride(0), scaling, BLOCK_T=block_t, BLOCK_EW=block_ew,
         BLOCK_H=block_h, SPLIT_H=parts, PROGRAMS=programs, num_warps=GATE_WARPS, **gate, **launch_options())

@@ -22,11 +22,12 @@ routing counts every MoE layer adds to (`expert_load`, engine/model/expert_load.
 
 Padding rows (`pad_rows`): a padded forward (a CUDA graph's, or the piecewise graphs' token bucket) routes its
 padding rows like real ones; under DP attention every group pads to the same width, so at small batches most
-of the MoE's rows are padding (an idle group's all of them). `mask_padding` marks them in a static device buffer
-the captured graphs read (`pad_buffer`, reserved before any capture), and the MoE layers drop their routed
-experts (ids -1: no expert work, no expert weights read for them). The runner marks DP attention's decode
-graphs and every piecewise replay; plain TP's decode graphs are not marked (their padding is a few rows, and
-at batch 1 none).
+of the MoE's rows are padding (an idle group's all of them), and a decode batch of 5 replays the graph of 8.
+`mask_padding` marks them in a static device buffer the captured graphs read (`pad_buffer`, reserved before any
+capture), and the MoE layers' router gives them no expert (ids -1: no expert work, no expert weights read for
+them; the gate kernel reads the marks in its own launch). The runner marks before every decode-graph and piecewise
+replay (and capture: no padding); marks equal to the buffer's last are not written again, so steady batch sizes
+cost nothing per step.
 
 Two-batch overlap (`two_batch`, engine/model/two_batch.py; None when off): `begin_forward` decides whether the
 forward runs as two micro-batches and, if so, plans each in a context of its own (`micro`: its batch, its
@@ -96,6 +97,7 @@ class ForwardContext:
     halves: Optional[tuple[ForwardContext, ForwardContext]] = field(default=None, repr=False)
     pad_buffer: Optional[torch.Tensor] = field(default=None, repr=False)  # static bool rows (`reserve_padding`)
     pad_rows: Optional[torch.Tensor] = field(default=None, repr=False)  # this forward's padding rows (None: none)
+    pad_marked: Optional[tuple] = field(default=None, repr=False)  # (real counts, width) the buffer holds
 
     def reserve_padding(self, rows: int, device: torch.device, captured: bool = False) -> None:
         """The static buffer of `mask_padding`, for padded forwards of up to `rows` MoE input rows. Graphs keep
@@ -105,6 +107,7 @@ class ForwardContext:
         if captured and self.pad_buffer is not None:
             raise RuntimeError("the padding mask must be reserved at its largest size before any graph is captured")
         self.pad_buffer = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.pad_marked = None
 
     def mask_padding(self, real: Sequence[int], width: int) -> None:
         """This forward's MoE input is len(real) blocks of `width` rows (the DP groups' under DP attention, in group
@@ -112,9 +115,12 @@ class ForwardContext:
         routed experts the MoE layers drop. Called after `begin_forward` (which clears the marks) and before
         the forward's graphs are captured or replayed."""
         rows = self.pad_buffer[: len(real) * width]
-        counts = tensor_to_device(torch.tensor(real, dtype=torch.int32), rows.device)
-        pad = torch.arange(width, dtype=torch.int32, device=rows.device)[None, :] >= counts[:, None]
-        rows.copy_(pad.view(-1))
+        key = (tuple(real), width)
+        if key != self.pad_marked:
+            counts = tensor_to_device(torch.tensor(real, dtype=torch.int32), rows.device)
+            pad = torch.arange(width, dtype=torch.int32, device=rows.device)[None, :] >= counts[:, None]
+            rows.copy_(pad.view(-1))
+            self.pad_marked = key
         self.pad_rows = rows
 
     def begin_forward(self, fb: ForwardBatch, graph_bs: Optional[int] = None) -> None:
@@ -157,4 +163,4 @@ class ForwardContext:
         """A micro-batch's context: this one's pools and backends, its own attention planning and real-row count."""
         load = self.expert_load.view() if self.expert_load is not None else None
         return replace(self, attn_backend=copy.copy(self.attn_backend), expert_load=load, two_batch=None, micro=None,
-                       halves=None, pad_rows=None)
+                       halves=None, pad_rows=None, pad_buffer=None, pad_marked=None)

@@ -4,7 +4,8 @@ E.. at weight 1): the
 implementations the kernel registry (engine/model/kernel_registry.py, op "moe_gate") chooses from:
 the fused Triton gate (at decode sizes the logits in the same launch) and its pure-torch reference
 (kernels/moe_gate.py: float32 logits, then the gate). Both read the gate method and its parameters from the
-model config and are opaque to torch.compile.
+model config and are opaque to torch.compile. `pad` (a padded forward's padding rows, engine/model/context.py):
+their ids come out -1, no expert.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ def _options(cfg: ModelConfig, bias: Optional[torch.Tensor]) -> dict:
 
 @torch.compiler.disable
 def triton_gate(x: torch.Tensor, weight: Optional[torch.Tensor], cfg: ModelConfig, bias: Optional[torch.Tensor],
-                n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    return moe_gate(x, weight, **_options(cfg, bias), n_shared=n_shared)
+                n_shared: int = 0, pad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return moe_gate(x, weight, **_options(cfg, bias), n_shared=n_shared, pad=pad)
 
 
 @torch.compiler.disable
 def torch_gate(x: torch.Tensor, weight: Optional[torch.Tensor], cfg: ModelConfig, bias: Optional[torch.Tensor],
-               n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    return moe_gate_ref(x, weight, **_options(cfg, bias), n_shared=n_shared)
+               n_shared: int = 0, pad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return moe_gate_ref(x, weight, **_options(cfg, bias), n_shared=n_shared, pad=pad)

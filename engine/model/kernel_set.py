@@ -32,10 +32,10 @@ from engine.model import fp8_ops, gate_ops, norm_ops
 
 Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]], torch.Tensor]  # x, w, scale, block
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # x, weight, eps
-# router logits, config, correction bias, shared experts appended -> (weights, expert ids)
-# (hidden [T, H], router weight [E, H]; or logits [T, E], None), config, correction bias, n_shared -> (weights, ids)
-Gate = Callable[[torch.Tensor, Optional[torch.Tensor], ModelConfig, Optional[torch.Tensor], int],
-                tuple[torch.Tensor, torch.Tensor]]
+# (hidden [T, H], router weight [E, H]; or logits [T, E], None), config, correction bias, n_shared (shared experts
+# appended), padding rows (bool [<= T] or None: their ids -1) -> (weights, ids)
+Gate = Callable[[torch.Tensor, Optional[torch.Tensor], ModelConfig, Optional[torch.Tensor], int,
+                 Optional[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
 AllReduce = Callable[[torch.Tensor, TPGroup], torch.Tensor]  # sum over the group (identity at size 1)
 # x, weight, eps, group -> (q e4m3, group scales), or None where it does not run (then norm and GEMM apart)
 NormQuant = Callable[[torch.Tensor, torch.Tensor, float, int], Optional[tuple[torch.Tensor, torch.Tensor]]]

@@ -44,9 +44,10 @@ runs them there through the MoE backend and brings the weighted outputs back. Th
 whole on every rank (the loader reads them unsplit) and run on the rank's own tokens; nothing is
 all-reduced. Under CUDA graphs (`ctx.static_shapes`) the exchange runs its fixed-size mode.
 
-Padding rows (`ctx.pad_rows`, engine/model/context.py: a DP-attention CUDA graph or a piecewise graph's bucket) have
-their routed (and fused shared) expert ids set to -1 after routing and counting, so the experts do no work for
-them: under DP attention an idle group's padded rows would otherwise route to experts of their own.
+Padding rows (`ctx.pad_rows`, engine/model/context.py: a padded forward, a CUDA graph's or a piecewise graph's
+bucket) come out of the router with every expert id -1 (routed and fused shared: the gate reads the marks in its own
+launch), so the experts do no work for them: under DP attention an idle group's padded rows would otherwise route
+to experts of their own, and a decode batch padded to the next graph size reads the experts its padding picks.
 
 Expert placement (`--expert-placement`, engine/distributed/expert_placement.py): under EP a layer may hold E + R
 expert slots, S = (E + R) / ep per rank, the hottest experts with several copies. `to_slots` maps each routed
@@ -215,11 +216,13 @@ class MoE(nn.Module):
             del old
             torch.cuda.empty_cache()
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, pad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, global expert ids [T, k] int32) of the replicated router (float32 logits of
         x and the float32 router weight, then the gate: `kernels.moe_gate`, one launch at decode sizes); with the
-        shared experts fused, k + S columns (every token also takes experts E .. E + S - 1 at weight 1)."""
-        return self.kernels.moe_gate(x, self.gate_weight, self.cfg, self.e_score_correction_bias, self.fused_shared)
+        shared experts fused, k + S columns (every token also takes experts E .. E + S - 1 at weight 1); the rows
+        `pad` marks (bool [<= T]) get ids -1."""
+        return self.kernels.moe_gate(x, self.gate_weight, self.cfg, self.e_score_correction_bias, self.fused_shared,
+                                     pad)
 
     def local_experts(self) -> tuple[int, ...]:
         """The logical expert each of this rank's expert slots holds (what the loader fills them with)."""
@@ -267,13 +270,12 @@ class MoE(nn.Module):
     def _partial(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Gather path: this rank's partial output for every token (its experts or its share of each expert, and
         its share of the shared experts), to be summed over the group."""
-        weights, ids = self.route(x)
+        weights, ids = self.route(x, ctx.pad_rows)
         ids = self.to_slots(ids)
         if ctx.expert_load is not None and self.tp.attention.is_first:  # the group's tokens, counted once
             self._record(ids if ctx.dp is None else ctx.dp.scatter(ids), ctx)
         if self.tp.ep_size > 1:
             ids = local_expert_ids(ids, self.first_expert, self.num_local_experts)
-        ids = drop_padding(ids, ctx.pad_rows)
         out = ctx.moe_backend.experts(self, x, weights, ids)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
@@ -285,13 +287,14 @@ class MoE(nn.Module):
         mine = x[start:end]
         if ctx.static_shapes and mine.shape[0] < per:  # every rank exchanges the same row count
             mine = torch.cat((mine, mine.new_zeros((per - mine.shape[0], *mine.shape[1:]))))
-        weights, ids = self.route(mine)
+        pad = None
+        if ctx.pad_rows is not None:  # this group's block of the marks, this rank's share of it
+            first = self.tp.dp_rank * x.shape[0] + start
+            pad = ctx.pad_rows[first: first + end - start]
+        weights, ids = self.route(mine, pad)
         ids = self.to_slots(ids)
         if ctx.expert_load is not None:
             self._record(ids, ctx, start)
-        if ctx.pad_rows is not None:  # this group's block of the marks, this rank's share of it
-            first = self.tp.dp_rank * x.shape[0] + start
-            ids = drop_padding(ids, ctx.pad_rows[first: first + end - start])
 
         def experts(rows: torch.Tensor, w: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
             return ctx.moe_backend.experts(self, rows, w, local_ids)
@@ -303,16 +306,6 @@ class MoE(nn.Module):
         """The exchange's output for this rank's share plus the shared experts, its padding rows dropped."""
         out = out + self.shared_experts(share.mine) if self.shared_experts is not None else out
         return out[: share.rows]
-
-
-def drop_padding(ids: torch.Tensor, pad: Optional[torch.Tensor]) -> torch.Tensor:
-    """Expert ids [R, k] with every id of a padding row (pad [<= R] bool, True: padding; rows past it are kept)
-    set to -1; `ids` itself when pad is None."""
-    if pad is None:
-        return ids
-    if pad.shape[0] == ids.shape[0]:
-        return ids.masked_fill(pad[:, None], -1)
-    return torch.cat((ids[: pad.shape[0]].masked_fill(pad[:, None], -1), ids[pad.shape[0]:]))
 
 
 def shared_fusion_blocker(cfg: ModelConfig, group: Optional[TPGroup], tp_size: int, fp8_block) -> Optional[str]:

@@ -511,14 +511,18 @@ class ModelRunner:
 
     def _prepare_graph(self, fb: ForwardBatch, bs: int) -> None:
         """Before a CUDA graph's capture or replay (fb: its padded static batch of size bs): under DP attention
-        the gather every group records at that padded size, then the backends' host planning, then (DP attention)
-        the padding rows of every group, which the MoE layers skip (at capture, fb.real_tokens None: none)."""
+        the gather every group records at that padded size, then the backends' host planning, then the padding rows
+        (every group's under DP attention), which the MoE layers route to no expert (at capture, fb.real_tokens
+        None: none)."""
         if self.dp is not None:
             self.dp.prepare_graph(bs)
         self.forward_ctx.begin_forward(fb, bs)
-        if self.dp is not None:
-            groups = self.parallel.tp.dp_size
-            self.forward_ctx.mask_padding([bs] * groups if fb.real_tokens is None else self.dp.real, bs)
+        groups = self.parallel.tp.dp_size
+        if fb.real_tokens is None:
+            real = [bs] * groups
+        else:
+            real = self.dp.real if self.dp is not None else [fb.real_tokens]
+        self.forward_ctx.mask_padding(real, bs)
 
     @property
     def dp_attention(self) -> bool:

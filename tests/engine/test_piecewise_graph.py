@@ -84,19 +84,22 @@ def test_piecewise_max_tokens_flag():
 
 
 def test_padding_marks_every_groups_rows_past_its_own():
-    """DP attention pads every group's block to one width; the marks say which rows of the MoE input are padding,
-    and the MoE drops every expert id of those rows (rows past the marks, e.g. an exchange's own padding, kept)."""
+    """DP attention pads every group's block to one width; the marks say which rows of the MoE input are padding
+    (the router gives them no expert: tests/kernels/test_moe_gate.py). Marks equal to the buffer's last are not
+    written again; a forward starts unmarked."""
     from engine.model.context import ForwardContext
-    from engine.model.moe import drop_padding
 
     ctx = ForwardContext(None, None, None, None, None)
     ctx.reserve_padding(12, torch.device("cpu"))
     ctx.mask_padding([2, 0, 3], 4)
     assert ctx.pad_rows.tolist() == [False, False, True, True] + [True] * 4 + [False, False, False, True]
-    ids = torch.arange(14 * 2, dtype=torch.int32).view(14, 2)
-    got = drop_padding(ids, ctx.pad_rows)
-    assert (got[ctx.pad_rows.nonzero().flatten()] == -1).all() and (got[[0, 1, 8, 9, 10, 12, 13]] >= 0).all()
-    assert drop_padding(ids, None) is ids
+    ctx.mask_padding([3], 4)
+    assert ctx.pad_rows.tolist() == [False, False, False, True]
+    ctx.pad_buffer[:4] = True  # what the marks of ([3], 4) no longer are: kept, as nothing else writes the buffer
+    ctx.mask_padding([3], 4)
+    assert ctx.pad_rows.tolist() == [True] * 4
+    ctx.mask_padding([4], 4)
+    assert not ctx.pad_rows.any()
     with pytest.raises(RuntimeError, match="before any graph"):
         ctx.reserve_padding(24, torch.device("cpu"), captured=True)
     ctx.begin_forward(ForwardBatch.build(ForwardMode.IDLE, [], [], [], [], torch.empty(0, dtype=torch.int64), [],
@@ -104,26 +107,32 @@ def test_padding_marks_every_groups_rows_past_its_own():
     assert ctx.pad_rows is None  # a forward starts unmarked
 
 
-def test_piecewise_padding_rows_reach_no_expert(monkeypatch):
-    """Through the piecewise cut, the rows a step pads to its bucket route to no expert; its own rows do."""
+def test_padding_rows_reach_no_expert(monkeypatch):
+    """Through the piecewise cut and the decode graphs' padded batches (capture=False), the rows a step pads to
+    its bucket or graph size route to no expert; its own rows do."""
     eng = Engine(model="tiny", **FLAGS)
+    eng.runner.build_graph_runner([1, 2, 4, 8], capture=False)
     eng.runner.build_piecewise([16, 32], capture=False)
     ctx, seen, tokens = eng.runner.forward_ctx, [], []
-    replay, experts = eng.runner.piecewise.replay, ctx.moe_backend.experts
+    experts = ctx.moe_backend.experts
 
-    def counted(fb, *args):
-        tokens.append(fb.num_tokens)
-        return replay(fb, *args)
+    def counted(replay):
+        def run(fb, *args):
+            tokens.append(fb.num_tokens)
+            return replay(fb, *args)
+        return run
 
     def recorded(moe, x, weights, ids):
         seen.append((tokens[-1] if ctx.pad_rows is not None else None, ids.clone()))
         return experts(moe, x, weights, ids)
 
-    monkeypatch.setattr(eng.runner.piecewise, "replay", counted)
+    monkeypatch.setattr(eng.runner.piecewise, "replay", counted(eng.runner.piecewise.replay))
+    monkeypatch.setattr(eng.runner.graphs, "replay", counted(eng.runner.graphs.replay))
     monkeypatch.setattr(ctx.moe_backend, "experts", recorded)
-    eng.generate(input_ids=_prompts(4), sampling_params=SamplingParams(max_new_tokens=3, temperature=0))
+    eng.generate(input_ids=_prompts(7), sampling_params=SamplingParams(max_new_tokens=8, temperature=0))
     padded = [(t, ids) for t, ids in seen if t is not None and ids.shape[0] > t]
-    assert padded, "no padded piecewise step reached the MoE"
+    sizes = {ids.shape[0] for _, ids in padded}
+    assert sizes & {2, 4, 8} and sizes & {16, 32}, f"no padded decode graph or piecewise step: {sizes}"
     for t, ids in padded:
         routed = (ids >= 0).any(1)
         assert routed[:t].all() and not routed[t:].any(), (t, ids.shape)

@@ -141,3 +141,25 @@ def test_router_from_hidden_in_one_launch(method, t, monkeypatch):
         torch.testing.assert_close(weights, w_ref, rtol=1e-5, atol=1e-6)
     assert int(split_k.arrivals(hidden.device)[0]) == 0
     assert len(fused) == (2 if mg.FUSED_MIN_T <= t <= mg.FUSED_MAX_T else 0)
+
+
+@pytest.mark.parametrize("t, marked", [(1, 1), (3, 3), (4, 3), (9, 9)])
+def test_padding_rows_get_no_expert(t, marked):
+    """`pad` marks a padded forward's padding rows (bool, up to T rows: rows past it are routed): their ids,
+    routed and shared, come out -1 from the kernel (the plain gate, and the fused router at 2-4 rows) and the
+    reference alike, and every other row is routed exactly as without marks."""
+    e, kw = _kwargs("noaux_tc")
+    g = torch.Generator().manual_seed(t)
+    hidden = torch.randn(t, 48, generator=g).to(DEV)
+    gate_w = torch.randn(e, 48, generator=g).to(DEV)
+    bias = (torch.randn(e, generator=g) * 0.3).to(DEV)
+    pad = (torch.arange(marked) % 3 == 1).to(DEV)  # rows 1, 4, 7 of the marked ones
+    plain_w, plain_i = moe_gate(hidden, gate_w, correction_bias=bias, n_shared=2, **kw)
+    weights, ids = moe_gate(hidden, gate_w, correction_bias=bias, n_shared=2, pad=pad, **kw)
+    w_ref, i_ref = moe_gate_ref(hidden, gate_w, correction_bias=bias, n_shared=2, pad=pad, **kw)
+    padded = torch.zeros(t, dtype=torch.bool, device=DEV)
+    padded[:marked] = pad
+    assert torch.equal(ids, i_ref) and (ids[padded] == -1).all()
+    assert torch.equal(ids[~padded], plain_i[~padded]) and (ids[~padded] >= 0).all()
+    torch.testing.assert_close(weights[~padded], plain_w[~padded], rtol=0, atol=0)
+    torch.testing.assert_close(weights, w_ref, rtol=1e-5, atol=1e-6)
