@@ -270,6 +270,9 @@ class MoE(nn.Module):
     def _partial(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Gather path: this rank's partial output for every token (its experts or its share of each expert, and
         its share of the shared experts), to be summed over the group."""
+        if ctx.pad_rows is not None and ctx.pad_rows.shape[0] != x.shape[0]:
+            raise RuntimeError(f"padding marks of {ctx.pad_rows.shape[0]} rows for a MoE input of {x.shape[0]}: a "
+                               "forward ran without marking (mask_padding) or clearing (begin_forward) them")
         weights, ids = self.route(x, ctx.pad_rows)
         ids = self.to_slots(ids)
         if ctx.expert_load is not None and self.tp.attention.is_first:  # the group's tokens, counted once

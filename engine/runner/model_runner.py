@@ -535,6 +535,7 @@ class ModelRunner:
         """A batch of no tokens: a DP-attention group's share of a forward other groups run, eagerly (the
         context's static shapes off, as every other rank's eager forward has them)."""
         self.forward_ctx.static_shapes = False
+        self.forward_ctx.pad_rows = None  # (the MTP layer's idle forward runs without begin_forward)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         return ForwardBatch.build(ForwardMode.IDLE, [], [], [], [], empty, [], self.device)
 

@@ -118,10 +118,10 @@ def moe_gemm_bytes(split_k: int, gated: bool) -> int:
 def moe_gate_bytes(n_shared: int) -> int:
     """kernels/moe_gate.py's router top-k at V3's shape (noaux_tc, 256 experts in 8 groups, top-8), with and
     without the shared experts' columns."""
-    sig = dict(logits_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i32", T="i32", E="i32",
-               stride_lt="i32", scaling="fp32")
+    sig = dict(logits_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i32", pad_ptr="*i8", P="i32", T="i32",
+               E="i32", stride_lt="i32", scaling="fp32")
     cons = dict(TOP_K=8, N_GROUP=8, TOPK_GROUP=4, GROUP_SIZE=32, METHOD=0, SIGMOID=True, HAS_BIAS=True, NORM=True,
-                N_SHARED=n_shared, BLOCK_T=8, BLOCK_E=256, BLOCK_G=8, BLOCK_K=16 if n_shared else 8)
+                N_SHARED=n_shared, HAS_PAD=True, BLOCK_T=8, BLOCK_E=256, BLOCK_G=8, BLOCK_K=16 if n_shared else 8)
     return _compile_sm90(moe_gate._moe_gate_kernel, sig, cons, num_warps=4)
 
 
@@ -129,9 +129,10 @@ def router_gate_bytes(block_t: int) -> int:
     """kernels/moe_gate.py's fused router (logits and gate in one launch) at V3's shape: 256 experts, hidden 7168,
     noaux_tc, block_t rows (the smallest and the largest fused batch)."""
     sig = dict(x_ptr="*bf16", gw_ptr="*fp32", ws_ptr="*fp32", count_ptr="*i32", bias_ptr="*fp32", w_ptr="*fp32",
-               ids_ptr="*i32", T="i32", E="i32", H="i32", stride_xt="i32", stride_ge="i32", scaling="fp32")
+               ids_ptr="*i32", pad_ptr="*i8", P="i32", T="i32", E="i32", H="i32", stride_xt="i32", stride_ge="i32",
+               scaling="fp32")
     cons = dict(TOP_K=8, N_GROUP=8, TOPK_GROUP=4, GROUP_SIZE=32, METHOD=0, SIGMOID=True, HAS_BIAS=True, NORM=True,
-                N_SHARED=0, BLOCK_T=block_t, BLOCK_E=256, BLOCK_G=8, BLOCK_K=8, BLOCK_EW=16,
+                N_SHARED=0, HAS_PAD=True, BLOCK_T=block_t, BLOCK_E=256, BLOCK_G=8, BLOCK_K=8, BLOCK_EW=16,
                 BLOCK_H=max(32, min(256, moe_gate.ROUTER_TILE_PER_WARP * 4 // (block_t * 16))), SPLIT_H=8, PROGRAMS=128)
     return _compile_sm90(moe_gate._router_gate_kernel, sig, cons, num_warps=4)
 
