@@ -223,7 +223,9 @@ def used_by_others(total: float, free: float, communicators: bool = False, dp_at
     """What other processes use, from `torch.cuda.mem_get_info` asked by a process holding no tensors (its own
     CUDA context is in the start-up reserve, not in `gpu_used_bytes`). `communicators`: the process has joined a
     group of ranks over NCCL (their communicators are set up when it joins, and are in the reserve too:
-    NCCL_RESERVE_BYTES, and DP_ATTENTION_RESERVE_BYTES with `dp_attention`)."""
+    NCCL_RESERVE_BYTES, and DP_ATTENTION_RESERVE_BYTES with `dp_attention`). An estimate: the reserves are the
+    plan's measured constants, not this process's bytes (DP attention's gather buffers come later, so others'
+    use may read up to 0.17 GB low)."""
     own = CUDA_CONTEXT_BYTES + (NCCL_RESERVE_BYTES if communicators else 0.0)
     own += DP_ATTENTION_RESERVE_BYTES if communicators and dp_attention else 0.0
     return max(0.0, total - free - own)

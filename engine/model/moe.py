@@ -292,8 +292,13 @@ class MoE(nn.Module):
             mine = torch.cat((mine, mine.new_zeros((per - mine.shape[0], *mine.shape[1:]))))
         pad = None
         if ctx.pad_rows is not None:  # this group's block of the marks, this rank's share of it
+            if ctx.pad_rows.shape[0] != self.tp.dp_size * x.shape[0]:
+                raise RuntimeError(f"padding marks of {ctx.pad_rows.shape[0]} rows for {self.tp.dp_size} groups of "
+                                   f"{x.shape[0]}: a forward ran without marking or clearing them")
             first = self.tp.dp_rank * x.shape[0] + start
             pad = ctx.pad_rows[first: first + end - start]
+            if mine.shape[0] > pad.shape[0]:  # the rows the exchange appends are padding too
+                pad = torch.cat((pad, pad.new_ones(mine.shape[0] - pad.shape[0])))
         weights, ids = self.route(mine, pad)
         ids = self.to_slots(ids)
         if ctx.expert_load is not None:

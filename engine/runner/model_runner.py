@@ -183,7 +183,7 @@ class ModelRunner:
             with timed(phases, "piecewise graphs"):
                 self.build_piecewise(sizes)
         self.two_batch_forwards = 0  # this rank's own forwards run as two micro-batches (--enable-two-batch-overlap)
-        self.forward_paths: dict[str, int] = {}  # this rank's own forwards per path: cuda_graph, piecewise, eager
+        self.forward_paths: dict[str, int] = {}  # the model's own forwards per path (`count_forward`)
         self.late_compiles = LateCompileLog()
         if self.device.type == "cuda":
             self.late_compiles.install()  # from here on a compile stalls a step: say which and how long
@@ -547,6 +547,7 @@ class ModelRunner:
 
     def _replay_padding(self, bs: int) -> None:
         self.graphs.replay_padding(bs)
+        self.forward_ctx.pad_rows = None
 
     def _replay_piecewise_idle(self, n: int) -> None:
         self.piecewise.replay_idle(n, self.idle_batch(), self.dp.real)
@@ -575,10 +576,16 @@ class ModelRunner:
         else:
             self.forward_ctx.begin_forward(fb)
             logits, hidden = eager(fb)
-        path = "cuda_graph" if graphable else "piecewise" if pieces else "eager"
-        self.forward_paths[path] = self.forward_paths.get(path, 0) + 1
+        if kind == TARGET:
+            self.count_forward("cuda_graph" if graphable else "piecewise" if pieces else "eager")
+        self.forward_ctx.pad_rows = None  # the marks are this forward's
         self.two_batch_forwards += self.forward_ctx.micro is not None
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    def count_forward(self, path: str) -> None:
+        """One more of the model's own forwards (not the MTP draft's) run by `path`: cuda_graph, piecewise or eager
+        (`/metrics` dsctl_forwards_total)."""
+        self.forward_paths[path] = self.forward_paths.get(path, 0) + 1
 
     def share_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
         """Make every rank of the TP (DP attention: attention) group hold its rank 0's sampled token ids

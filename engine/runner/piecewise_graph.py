@@ -28,9 +28,10 @@ runs outside them.
 Under DP attention every group replays the chain of the same bucket, each with its own T tokens (an idle
 group none: `replay_idle`), and the gather before each MLP is captured at that bucket's width for every
 group (`prepare`: the runner's uniform gather), so its all-gather is recorded in the pieces. Not used with
---disable-mla (its attention writes the cache itself), two-batch overlap (its micro-batches run eagerly) or
-torch.compile; those extend steps run eagerly as before. `capture=False` runs the same padded batches and
-static buffers eagerly, attention through the same cut (CPU tests).
+--disable-mla (its attention writes the cache itself) or two-batch overlap (its micro-batches run eagerly);
+those extend steps run eagerly as before. With --enable-torch-compile the pieces capture the uncompiled layers
+(torch.compile serves the decode graphs). `capture=False` runs the same padded batches and static buffers
+eagerly, attention through the same cut (CPU tests).
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class PiecewiseGraphs:
             fb = self._static_batch(n)
             if self.prepare is not None:
                 self.prepare(n)
-            self.ctx.mask_padding([n] * self.groups, n)  # the marks' ops are captured (their values are the replay's)
+            self.ctx.mask_padding([n] * self.groups, n)  # no padding at capture: the router's read of them is captured
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 t1 = time.perf_counter()

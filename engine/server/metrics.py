@@ -58,9 +58,10 @@ class _EngineCollector:
         yield CounterMetricFamily("dsctl_two_batch_forwards", "Forwards run as two overlapped micro-batches "
                                   "(--enable-two-batch-overlap; DP attention: summed over the groups).",
                                   value=float(s.two_batch_forwards))
-        paths = CounterMetricFamily("dsctl_forwards", "Model forwards by how they ran: cuda_graph (a decode graph), "
-                                    "piecewise (piecewise graphs around attention) or eager (DP attention: summed "
-                                    "over the groups, each group's own forwards).", labels=["path"])
+        paths = CounterMetricFamily("dsctl_forwards", "The model's forwards (not the MTP draft's) by how they ran: "
+                                    "cuda_graph (a decode graph), piecewise (piecewise graphs around attention) or "
+                                    "eager (DP attention: summed over the groups, each group's own forwards).",
+                                    labels=["path"])
         for path, n in sorted(s.forward_paths.items()):
             paths.add_metric([path], float(n))
         yield paths

@@ -30,6 +30,8 @@ def forward_tree(runner: ModelRunner, fb: ForwardBatch, table: TreeTable,
         return draft.forward(fb) if draft is not None else runner.forward(fb)
     if runner.dp is not None:
         runner.dp.before_forward(MTP if draft is not None else TARGET, fb.num_tokens)
+    if draft is None:
+        runner.count_forward("eager")
     ctx = replace(runner.forward_ctx, req_to_token=table)
     ctx.begin_forward(fb)
     if draft is not None:
