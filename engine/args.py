@@ -298,8 +298,8 @@ class KernelArgs:
         None, "Extend (prefill and mixed prefill + decode) steps of up to this many tokens replay piecewise CUDA "
         "graphs: every layer's work but attention captured per token bucket, attention run eagerly between "
         "them (default: the prefill step budget, --chunked-prefill-size, at most 8192; 0: extend steps run "
-        "eagerly); so do decode batches larger than the largest decode graph. Under DP attention every group replays the same bucket. Not with --disable-mla or "
-        "--enable-two-batch-overlap.",
+        "eagerly); so do decode batches larger than the largest decode graph. Under DP attention every group "
+        "replays the same bucket. Not with --disable-mla or --enable-two-batch-overlap.",
     )
     skip_compile_wait: bool = flag(
         False, "Report ready while the prefill steps' Triton kernels still compile in the background (on a "

@@ -26,8 +26,8 @@ of the MoE's rows are padding (an idle group's all of them), and a decode batch 
 `mask_padding` marks them in a static device buffer the captured graphs read (`pad_buffer`, reserved before any
 capture), and the MoE layers' router gives them no expert (ids -1: no expert work, no expert weights read for
 them; the gate kernel reads the marks in its own launch). The runner marks before every decode-graph and piecewise
-replay (and capture: no padding); marks equal to the buffer's last are not written again, so steady batch sizes
-cost nothing per step. A forward split by two-batch overlap is not marked (its micro-batches' contexts carry no
+replay (and capture: no padding) and `begin_forward` clears them, so every forward starts with one or the other;
+marks equal to the buffer's last are not written again, so steady batch sizes cost nothing per step. A forward split by two-batch overlap is not marked (its micro-batches' contexts carry no
 marks): its padding rows are routed as before.
 
 Two-batch overlap (`two_batch`, engine/model/two_batch.py; None when off): `begin_forward` decides whether the
@@ -123,6 +123,14 @@ class ForwardContext:
             rows.copy_(pad.view(-1))
             self.pad_marked = key
         self.pad_rows = rows
+
+    def padding_marks(self, rows: int) -> Optional[torch.Tensor]:
+        """This forward's padding marks (None: not a padded forward), which must cover `rows` MoE input rows (every
+        DP group's block); marks of another size were left by an earlier forward: refused, not misapplied."""
+        if self.pad_rows is not None and self.pad_rows.shape[0] != rows:
+            raise RuntimeError(f"padding marks of {self.pad_rows.shape[0]} rows for a MoE input of {rows}: a forward "
+                               "ran without marking (mask_padding) or clearing (begin_forward) them")
+        return self.pad_rows
 
     def begin_forward(self, fb: ForwardBatch, graph_bs: Optional[int] = None) -> None:
         """Host-side planning once per forward, before any layer runs (graph_bs: a CUDA graph's padded size:

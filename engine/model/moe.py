@@ -270,10 +270,7 @@ class MoE(nn.Module):
     def _partial(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Gather path: this rank's partial output for every token (its experts or its share of each expert, and
         its share of the shared experts), to be summed over the group."""
-        if ctx.pad_rows is not None and ctx.pad_rows.shape[0] != x.shape[0]:
-            raise RuntimeError(f"padding marks of {ctx.pad_rows.shape[0]} rows for a MoE input of {x.shape[0]}: a "
-                               "forward ran without marking (mask_padding) or clearing (begin_forward) them")
-        weights, ids = self.route(x, ctx.pad_rows)
+        weights, ids = self.route(x, ctx.padding_marks(x.shape[0]))
         ids = self.to_slots(ids)
         if ctx.expert_load is not None and self.tp.attention.is_first:  # the group's tokens, counted once
             self._record(ids if ctx.dp is None else ctx.dp.scatter(ids), ctx)
@@ -290,13 +287,10 @@ class MoE(nn.Module):
         mine = x[start:end]
         if ctx.static_shapes and mine.shape[0] < per:  # every rank exchanges the same row count
             mine = torch.cat((mine, mine.new_zeros((per - mine.shape[0], *mine.shape[1:]))))
-        pad = None
-        if ctx.pad_rows is not None:  # this group's block of the marks, this rank's share of it
-            if ctx.pad_rows.shape[0] != self.tp.dp_size * x.shape[0]:
-                raise RuntimeError(f"padding marks of {ctx.pad_rows.shape[0]} rows for {self.tp.dp_size} groups of "
-                                   f"{x.shape[0]}: a forward ran without marking or clearing them")
+        pad = ctx.padding_marks(self.tp.dp_size * x.shape[0])  # every group's block: this one's, this rank's share
+        if pad is not None:
             first = self.tp.dp_rank * x.shape[0] + start
-            pad = ctx.pad_rows[first: first + end - start]
+            pad = pad[first: first + end - start]
             if mine.shape[0] > pad.shape[0]:  # the rows the exchange appends are padding too
                 pad = torch.cat((pad, pad.new_ones(mine.shape[0] - pad.shape[0])))
         weights, ids = self.route(mine, pad)

@@ -167,8 +167,9 @@ class ModelRunner:
         if workers and not self.dp_attention:
             with timed(phases, "prefill kernels"):
                 prefill_kernels = self._record_prefill()  # before the capture compiles anything in-process
+        sizes = self._piecewise_sizes()
         if self.setup.cuda_graphs:  # the padding marks' buffer at its largest, before anything is captured
-            rows = max(max(self.setup.graph_batch_sizes), self.args.piecewise_max_tokens())
+            rows = max(max(self.setup.graph_batch_sizes), max(sizes, default=0))
             self.forward_ctx.reserve_padding(self.parallel.tp.dp_size * rows, self.device)
             with timed(phases, "CUDA graphs"):
                 self.build_graph_runner(list(self.setup.graph_batch_sizes))
@@ -178,7 +179,6 @@ class ModelRunner:
                 with timed(phases, "prefill kernels compile"):
                     self.prefill_compiles.wait()  # so that no request waits for one (issue: smooth streaming)
         self.piecewise = None
-        sizes = self._piecewise_sizes()
         if sizes:
             with timed(phases, "piecewise graphs"):
                 self.build_piecewise(sizes)
@@ -535,7 +535,6 @@ class ModelRunner:
         """A batch of no tokens: a DP-attention group's share of a forward other groups run, eagerly (the
         context's static shapes off, as every other rank's eager forward has them)."""
         self.forward_ctx.static_shapes = False
-        self.forward_ctx.pad_rows = None  # (the MTP layer's idle forward runs without begin_forward)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         return ForwardBatch.build(ForwardMode.IDLE, [], [], [], [], empty, [], self.device)
 
@@ -547,7 +546,6 @@ class ModelRunner:
 
     def _replay_padding(self, bs: int) -> None:
         self.graphs.replay_padding(bs)
-        self.forward_ctx.pad_rows = None
 
     def _replay_piecewise_idle(self, n: int) -> None:
         self.piecewise.replay_idle(n, self.idle_batch(), self.dp.real)
@@ -578,7 +576,6 @@ class ModelRunner:
             logits, hidden = eager(fb)
         if kind == TARGET:
             self.count_forward("cuda_graph" if graphable else "piecewise" if pieces else "eager")
-        self.forward_ctx.pad_rows = None  # the marks are this forward's
         self.two_batch_forwards += self.forward_ctx.micro is not None
         return ForwardOutput(logits=logits, hidden=hidden)
 

@@ -55,6 +55,7 @@ class DraftRunner:
         fb = self.runner.idle_batch()
         fb.spec_hidden = torch.empty(0, self.runner.config.hidden_size, dtype=self.runner.dtype,
                                      device=self.runner.device)
+        self.runner.forward_ctx.begin_forward(fb)  # as every forward: no padding marks of an earlier one
         self.layer(fb, self.runner.forward_ctx)
 
     def _replay_padding(self, bs: int) -> None:
