@@ -216,10 +216,14 @@ class KernelArgs:
     kernel configs."""
 
     attention_backend: str = flag(
-        "auto", "MLA attention kernels: 'triton' (CUDA default), 'torch' (reference; CPU default), "
+        "auto", "MLA attention kernels: 'triton' (kernels/mla_*.py), 'torch' (reference; CPU default), "
         "'flashinfer' (FlashInfer's MLA wrapper for prefill and decode; needs `pip install flashinfer-python`, "
-        "bfloat16/float16 and a bf16 or fp8_e4m3 KV cache).",
-        choices=("auto", "triton", "torch", "flashinfer"),
+        "bfloat16/float16 and a bf16 or fp8_e4m3 KV cache), 'flashinfer-decode' (FlashInfer for decode steps, "
+        "triton for prefill / extend / speculative verification). 'auto': flashinfer-decode where FlashInfer is "
+        "installed on a Hopper GPU and one GPU attends with all 128 heads over a 16-bit KV cache (its decode "
+        "kernel 2-3x triton's there, docs/perf.md; DP attention: ask for it, not yet run on GPUs); triton "
+        "elsewhere on CUDA.",
+        choices=("auto", "triton", "torch", "flashinfer", "flashinfer-decode"),
     )
     enable_flashinfer_mla: bool = flag(False, "Same as --attention-backend flashinfer (SGLang's flag name).")
     disable_mla: bool = flag(
@@ -344,7 +348,7 @@ class KernelArgs:
         if self.enable_flashinfer_mla and self.attention_backend not in ("auto", "flashinfer"):
             raise UsageError(f"--enable-flashinfer-mla selects the flashinfer attention backend, which contradicts "
                              f"--attention-backend {self.attention_backend}: give only one of them")
-        if self.disable_mla and self.attention == "flashinfer":
+        if self.disable_mla and self.attention.startswith("flashinfer"):
             raise UsageError("--disable-mla keeps expanded per-head K/V, which FlashInfer's MLA wrapper cannot "
                              "read: use --attention-backend triton or torch with it")
         if self.piecewise_cuda_graph_max_tokens is not None and self.piecewise_cuda_graph_max_tokens < 0:
@@ -663,7 +667,8 @@ class EngineArgs:
         if self.kernels.disable_mla and self.speculative.enabled:
             raise UsageError("--disable-mla is an ablation of plain decoding, not built or tested with draft "
                              "trees: drop --speculative-algorithm or --disable-mla")
-        if self.parallel.enable_two_batch_overlap and (self.kernels.attention == "flashinfer" or self.kernels.disable_mla):
+        if self.parallel.enable_two_batch_overlap and (self.kernels.attention.startswith("flashinfer")
+                                                      or self.kernels.disable_mla):
             which = "--disable-mla" if self.kernels.disable_mla else "the FlashInfer attention backend"
             raise UsageError(f"--enable-two-batch-overlap plans each micro-batch's attention on its own, which "
                              f"{which} does not support: use --attention-backend triton (with MLA), or drop "

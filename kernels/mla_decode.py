@@ -72,6 +72,12 @@ _LOG2E = 1.4426950408889634
 #             what the cache's own e4m3 quantisation costs (tests/kernels/test_mla_decode.py).
 # (Measured on H100 and dropped, see docs/perf.md: FP8 read as 32-bit words and
 # upcast with inline PTX, alone or for V only; both were slower than "split".)
+# At 128 heads (64-row head groups, 8 warps) Triton 3.6 treats q.k as a dot chained into p.V and
+# gives it all 8 warps along its 64 rows, so both warpgroups compute the same q.k (74 wgmma
+# instructions per tile instead of 38); the 64 x 512 fp32 accumulator holds 255 registers. Measured
+# on H200 and dropped (docs/perf.md, issue 40): token-major scores (S^T = K q^T, O^T = V^T P^T;
+# 1.1-3x slower, spills), p through a global scratch tile to unchain the dots (the barriers it needs
+# stop the cp.async pipelining: 1.2x slower), rescaling the accumulator only when a row max grows.
 KV_LOADS = {"tile": 0, "split": 1, "fp8dot": 2}
 
 

@@ -1,8 +1,10 @@
 """FlashInfer MLA attention backend (optional dependency: `pip install flashinfer-python`).
 
 Extend and decode both run the absorbed formulation through FlashInfer's
-`BatchMLAPagedAttentionWrapper`: the query is folded into latent space with W_UK
-(the FP8 bmm when the weights are FP8), attention reads the paged latent cache
+`BatchMLAPagedAttentionWrapper` (with `decode_only`, the 'flashinfer-decode' backend, only decode
+steps do; every other forward runs the Triton backend's extend, which at DeepSeek's 128 heads
+attends prefills in the expanded form at a third of the absorbed form's FLOPs): the query is
+folded into latent space with W_UK (the FP8 bmm when the weights are FP8), attention reads the paged latent cache
 in place (page size 1: one KV-pool slot per page; the pool's [slot, 576] rows are
 passed as one packed tensor), and the latent output goes back through W_UV.
 Extend is causal with each request's queries aligned to the end of its KV (the
@@ -57,19 +59,14 @@ def check_supported(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dt
                          f"kv_lora_rank 512 + rope 64, this model has {kv_lora_rank} + {rope_dim}; {instead}")
 
 
-def csr_lengths(extend_lens: list[int], seq_lens: list[int],
-                pin: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Host int32 qo_indptr [B+1], kv_indptr [B+1], kv_lens [B] for a batch (page size 1: pages = tokens).
-
-    pin: in page-locked memory, so that copying them to the GPU does not wait for the work already
-    queued there (a copy from pageable memory does), which keeps the host a step ahead."""
+def csr_lengths(extend_lens: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host int32 qo_indptr [B+1], kv_indptr [B+1], kv_lens [B] for a batch (page size 1: pages = tokens)."""
     def indptr(lens):
         out = torch.zeros(len(lens) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
         return out
 
-    tensors = indptr(extend_lens), indptr(seq_lens), torch.tensor(seq_lens, dtype=torch.int32)
-    return tuple(t.pin_memory() for t in tensors) if pin else tensors
+    return indptr(extend_lens), indptr(seq_lens), torch.tensor(seq_lens, dtype=torch.int32)
 
 
 def kv_page_indices(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor, total: int,
@@ -91,13 +88,14 @@ def kv_page_indices(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch
 class FlashInferAttentionBackend:
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, sm_scale: float, q_dtype: torch.dtype,
                  kv_dtype: torch.dtype, kv_scale: float, device: torch.device, max_context: int,
-                 max_graph_bs: int = 0):
+                 max_graph_bs: int = 0, decode_only: bool = False):
         from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata  # lazy: flashinfer is CUDA-only
 
         self._wrapper_cls, self._metadata_cls = BatchMLAPagedAttentionWrapper, MLAPlanMetadata
         self.num_heads, self.kv_lora_rank, self.rope_dim = num_heads, kv_lora_rank, rope_dim
         self.sm_scale, self.q_dtype, self.kv_dtype, self.device = sm_scale, q_dtype, kv_dtype, device
         self.max_context, self.max_graph_bs = max_context, max_graph_bs
+        self.decode_only = decode_only  # extend-like forwards (prefill, verification) run the Triton backend
         # FlashInfer's FP8 MLA multiplies by these per-tensor scales (stored * scale = value, as in KVPool).
         self.kv_scales = dict(ckv_scale=kv_scale, kpe_scale=kv_scale) if kv_dtype.itemsize == 1 else {}
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -108,6 +106,7 @@ class FlashInferAttentionBackend:
         # extends FlashInfer's planner refuses; FlashInfer runs DeepSeek's head dims only (qk_nope 128, v 128)
         self.fallback = TritonAttentionBackend(num_heads * (128 + rope_dim + 128) * q_dtype.itemsize)
         self._plan_copied = None  # CUDA event recorded after the last plan's host-to-device copy
+        self._pinned: Optional[torch.Tensor] = None  # page-locked staging of the plan's host arrays (_staged)
         self.fast_replan = True  # False: every graph replay uses FlashInfer's public plan() (benchmarks compare)
         self._warned_fallback = False
 
@@ -116,6 +115,10 @@ class FlashInferAttentionBackend:
         """Plan the wrapper for this batch; with graph_bs, the CUDA-graph wrapper of that padded size."""
         if fb.batch_size == 0:
             self.active = None
+            return
+        if self.decode_only and not fb.mode.is_decode:
+            self.active = None
+            self.fallback.begin_forward(fb, ctx)
             return
         if self._plan_copied is not None:
             # FlashInfer's plan writes the schedule into a pinned host buffer and copies it to the GPU
@@ -129,7 +132,7 @@ class FlashInferAttentionBackend:
 
     def _plan(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: Optional[int]) -> None:
         wrapper = self.eager if graph_bs is None else self._graph_wrapper(graph_bs)
-        qo_indptr, kv_indptr, kv_lens = csr_lengths(fb.extend_lens_cpu, fb.seq_lens_cpu, self.device.type == "cuda")
+        qo_indptr, kv_indptr, kv_lens = self._staged(csr_lengths(fb.extend_lens_cpu, fb.seq_lens_cpu))
         total = int(kv_indptr[-1])
         out = self.graph_indices if graph_bs is not None else None
         indices = kv_page_indices(ctx.req_to_token.table, fb.req_pool_indices, fb.seq_lens, total, out)
@@ -153,6 +156,24 @@ class FlashInferAttentionBackend:
             self.fallback.begin_forward(fb, ctx)
             return
         self.active = wrapper
+
+    def _staged(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The plan's host int32 arrays copied into one page-locked buffer kept across steps (on CUDA), so that
+        their copies to the GPU do not wait for queued work and no step allocates page-locked memory. Rewriting
+        it is safe: begin_forward waits for the previous plan's copies first."""
+        if self.device.type != "cuda":
+            return tensors
+        need = sum(t.numel() for t in tensors)
+        if self._pinned is None or self._pinned.numel() < need:
+            self._pinned = torch.empty(max(need, 2 * (self.max_graph_bs + 1) + self.max_graph_bs + 64),
+                                       dtype=torch.int32, pin_memory=True)
+        out, at = [], 0
+        for t in tensors:
+            view = self._pinned[at:at + t.numel()]
+            view.copy_(t)
+            out.append(view)
+            at += t.numel()
+        return tuple(out)
 
     def _replan_captured(self, wrapper, qo_indptr, kv_indptr, kv_lens) -> bool:
         """Re-plan a CUDA-graph wrapper that was planned before: the schedule only, without the public

@@ -2,7 +2,9 @@
 check and a factory, and what 'auto' means for it.
 
   op          flag                  implementations
-  attention   --attention-backend   torch (reference), triton (kernels/mla_*), flashinfer; with --disable-mla
+  attention   --attention-backend   torch (reference), triton (kernels/mla_*), flashinfer, flashinfer-decode
+                                    (FlashInfer for decode steps, Triton for the rest; 'auto' on CUDA where
+                                    `flashinfer_decode_blocker` finds nothing against it); with --disable-mla
                                     (KernelSetup.expanded_kv) torch and triton build the non-absorbed backends
                                     of engine/model/attention_expanded.py
   moe         --moe-backend         torch (reference), triton (kernels/fused_moe; W4AFP8 experts:
@@ -41,6 +43,7 @@ attention and MoE backend objects are built with `OpRegistry.build` once the KV 
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, fields
 from typing import Callable, Optional
 
@@ -83,6 +86,7 @@ class KernelSetup:
     expanded_kv: bool = False  # --disable-mla: per-head K/V in the cache, no weight absorption
     fp8_block: Optional[tuple[int, int]] = None  # the block of weights kept FP8 (None: no FP8 linear runs)
     group: Optional[TPGroup] = field(default=None, compare=False)  # the model's TP group (custom all-reduce)
+    micro_batches: bool = False  # --enable-two-batch-overlap: each micro-batch plans its own attention
 
     @property
     def cuda_graphs(self) -> bool:
@@ -162,7 +166,41 @@ def auto_name(op: str, setup: KernelSetup) -> str:
         return "fused" if setup.cuda and shared_fusion_blocked(setup) is None else "separate"
     if op in ("norm_quant", "act_quant"):  # with the Triton FP8 GEMM (resolve_kernels: off with the torch GEMM)
         return "triton" if setup.fp8_block is not None and (setup.cuda or setup.interpret) else "off"
+    if op == "attention" and setup.cuda and flashinfer_decode_blocker(setup) is None:
+        return "flashinfer-decode"
     return "triton" if setup.cuda else "torch"
+
+
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+FLASHINFER_DECODE_HEADS = 128  # the heads per rank FlashInfer's decode was measured faster at (docs/perf.md)
+
+
+def flashinfer_decode_blocker(setup: KernelSetup) -> Optional[str]:
+    """Why 'auto' keeps the Triton decode here instead of FlashInfer's (None: FlashInfer's is the faster one).
+
+    Measured on H100 and H200 (docs/perf.md, "MLA decode at 128 heads"): FlashInfer's fa3 MLA decode is 2-3x
+    faster than the Triton kernel with 128 heads per rank over a bf16 cache, within +-5% at 16 heads, and slower
+    over an FP8 cache (the Triton "fp8dot" kernel is 1.6x faster than fa3's FP8 path at 128 heads). Under DP
+    attention (128 heads per rank too) it has not run on GPUs yet: --attention-backend flashinfer-decode asks."""
+    cfg = setup.config
+    if setup.expanded_kv or setup.micro_batches:
+        return "expanded K/V or two-batch overlap"
+    if setup.local_heads != FLASHINFER_DECODE_HEADS:
+        return f"{setup.local_heads} heads per rank (FlashInfer measured faster at {FLASHINFER_DECODE_HEADS})"
+    if setup.group is not None and setup.group.dp_size > 1:
+        return "DP attention (not yet run with FlashInfer on GPUs)"
+    if setup.kv_dtype not in (torch.bfloat16, torch.float16) or setup.dtype not in (torch.bfloat16, torch.float16):
+        return "not a 16-bit KV cache and activations"
+    if (cfg.kv_lora_rank, cfg.qk_rope_head_dim) != (512, 64):
+        return "not DeepSeek's latent sizes"
+    if _compute_capability(setup.device) < (9, 0):
+        return "not a Hopper GPU (measured there only)"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "FlashInfer is not installed"
+    return None
 
 
 # ---- start-up checks -----------------------------------------------------------------------
@@ -226,12 +264,17 @@ def triton_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTok
     return backend(per_token * setup.dtype.itemsize)
 
 
-def flashinfer_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool):
+def flashinfer_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool,
+                         decode_only: bool = False):
     cfg = setup.config
     return FlashInferAttentionBackend(
         setup.local_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, setup.dtype,
         kv_pool.dtype, kv_pool.scale, setup.device, req_to_token.table.shape[1],
-        max_graph_bs=max(setup.graph_batch_sizes, default=0))
+        max_graph_bs=max(setup.graph_batch_sizes, default=0), decode_only=decode_only)
+
+
+def flashinfer_decode_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool):
+    return flashinfer_attention(setup, kv_pool, req_to_token, decode_only=True)
 
 
 def returns(value: object) -> Callable[[KernelSetup], object]:
@@ -248,6 +291,7 @@ ATTENTION = OpRegistry("attention")
 ATTENTION.register("torch", check_torch_graphs, torch_attention)
 ATTENTION.register("triton", check_triton("--attention-backend"), triton_attention)
 ATTENTION.register("flashinfer", check_flashinfer, flashinfer_attention)
+ATTENTION.register("flashinfer-decode", check_flashinfer, flashinfer_decode_attention)
 
 def moe_label(name: str) -> Callable[[KernelSetup], str]:
     """The MoE backend's name, with "w4afp8" when the routed experts are INT4 (their own kernel and reference)."""

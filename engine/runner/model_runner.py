@@ -148,7 +148,8 @@ class ModelRunner:
         self.setup = KernelSetup(self.config, self.device, self.dtype, self._kv_dtype(),
                                  tuple(self._graph_batch_sizes()), interpreting(),
                                  tp_size=self.parallel.tp.attention.size, expanded_kv=args.kernels.disable_mla,
-                                 fp8_block=self.fp8_block, group=self.parallel.tp)
+                                 fp8_block=self.fp8_block, group=self.parallel.tp,
+                                 micro_batches=args.parallel.enable_two_batch_overlap)
         self.kernel_choice = self._pick_backends()
         self.kernels = build_kernels(self.kernel_choice, self.setup)
         self.others_bytes = self._memory_held_elsewhere()

@@ -3,6 +3,7 @@ flags per op, 'auto', start-up checks and their messages, factories, the start-u
 `Kernels` every module is built with, and MoE layers taking their backend from the ForwardContext."""
 
 import dataclasses
+import importlib.util
 import logging
 
 import pytest
@@ -45,7 +46,7 @@ def test_unknown_name_names_the_flag_and_the_choices(op):
 
 
 def test_choices_per_op():
-    assert kr.ATTENTION.choices() == ["auto", "torch", "triton", "flashinfer"]
+    assert kr.ATTENTION.choices() == ["auto", "torch", "triton", "flashinfer", "flashinfer-decode"]
     assert kr.MOE.choices() == ["auto", "torch", "triton"]
     assert kr.GEMM.choices() == ["auto", "torch", "triton", "cublas"]
     assert kr.RMS_NORM.choices() == kr.MOE_GATE.choices() == ["auto", "torch", "triton"]
@@ -89,6 +90,35 @@ def test_auto_on_cuda(monkeypatch, cublas_why, gemm):
                                      "fused", "none")
     bf16 = kr.resolve_kernels({}, _setup(CUDA, torch.bfloat16))
     assert bf16.gemm == "torch" and bf16.norm_quant == bf16.act_quant == "off"  # bf16 weights: F.linear, nothing to quantise
+
+
+def test_auto_attention_is_flashinfer_decode_where_its_kernel_is_faster(monkeypatch):
+    """'auto' picks FlashInfer's decode (Triton for the rest) for 128 heads on one GPU over a 16-bit cache on a Hopper
+    GPU with FlashInfer installed (its kernel 2-3x the Triton one there, docs/perf.md); Triton for anything else,
+    DP attention included (not yet run with FlashInfer on GPUs)."""
+    monkeypatch.setattr(kr, "_compute_capability", lambda device: (9, 0))
+    fake_flashinfer.install(monkeypatch)
+
+    def auto(**kw):
+        setup = dataclasses.replace(_setup(CUDA, torch.bfloat16, model="deepseek-v3", fp8_block=BLOCK), **kw)
+        return kr.resolve_kernels({}, setup).attention, kr.flashinfer_decode_blocker(setup)
+
+    assert auto() == ("flashinfer-decode", None)  # 128 heads on one GPU
+    assert auto(tp_size=2) == ("triton", "64 heads per rank (FlashInfer measured faster at 128)")
+    assert auto(tp_size=8)[0] == "triton"
+    assert auto(kv_dtype=torch.float8_e4m3fn)[0] == "triton"  # the Triton fp8dot kernel is faster than fa3's FP8
+    assert auto(micro_batches=True)[0] == "triton"  # two-batch overlap plans per micro-batch
+    from engine.distributed.groups import TPGroup
+
+    dp2 = TPGroup(rank=0, size=2, ranks=(0, 1), attn=TPGroup(rank=0, size=1, ranks=(0,)), dp_size=2)
+    assert auto(group=dp2) == ("triton", "DP attention (not yet run with FlashInfer on GPUs)")
+    assert auto(expanded_kv=True)[0] == "triton"
+    monkeypatch.setattr(kr, "_compute_capability", lambda device: (8, 0))
+    assert auto() == ("triton", "not a Hopper GPU (measured there only)")
+    monkeypatch.setattr(kr, "_compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert auto() == ("triton", "FlashInfer is not installed")
+    assert kr.resolve_kernels({}, _setup(CPU, model="deepseek-v3")).attention == "torch"
 
 
 @pytest.mark.parametrize("op", FLAG_OPS)
@@ -220,7 +250,9 @@ def test_factories_build_the_backend_classes(monkeypatch):
     fi = kr.ATTENTION.build("flashinfer", kr.KernelSetup(cfg, CPU, torch.float32, torch.float32, (1, 8)), pool, table)
     assert (fi.num_heads, fi.kv_lora_rank, fi.rope_dim) == (cfg.num_attention_heads, cfg.kv_lora_rank,
                                                             cfg.qk_rope_head_dim)
-    assert fi.max_graph_bs == 8 and fi.max_context == 33 and fi.kv_dtype == torch.float32
+    assert fi.max_graph_bs == 8 and fi.max_context == 33 and fi.kv_dtype == torch.float32 and not fi.decode_only
+    hybrid = kr.ATTENTION.build("flashinfer-decode", kr.KernelSetup(cfg, CPU, torch.float32, torch.float32), pool, table)
+    assert hybrid.decode_only
 
 
 class Counting:

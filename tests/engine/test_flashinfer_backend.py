@@ -18,8 +18,6 @@ def test_csr_lengths():
     qo, kv, lens = fi.csr_lengths([3, 1, 5], [10, 1, 7])
     assert qo.tolist() == [0, 3, 4, 9] and kv.tolist() == [0, 10, 11, 18] and lens.tolist() == [10, 1, 7]
     assert {qo.dtype, kv.dtype, lens.dtype} == {torch.int32} and qo.device.type == "cpu"
-    if torch.cuda.is_available():  # page-locked copies for non-blocking uploads
-        assert all(t.is_pinned() for t in fi.csr_lengths([1], [4], pin=True))
 
 
 def test_kv_page_indices_gathers_each_requests_slots():
@@ -78,7 +76,9 @@ def _rounds(eng):
     return _generate(eng, base) + _generate(eng, second) + _generate(eng, [[3, 4]], n=20)
 
 
-def test_backend_plumbing_matches_torch_reference(monkeypatch):
+def _fake_backend_engine(monkeypatch, **backend_kw):
+    """The torch reference's outputs of `_rounds`, and an engine whose attention is the FlashInfer backend over
+    tests/engine/fake_flashinfer.py (float32, tiny)."""
     kw = dict(model="tiny", device="cpu", dtype="float32", attention_backend="torch", moe_backend="torch")
     ref = _rounds(Engine(**kw))
     fake_flashinfer.install(monkeypatch)
@@ -86,11 +86,40 @@ def test_backend_plumbing_matches_torch_reference(monkeypatch):
     r, cfg = eng.runner, eng.runner.config
     backend = fi.FlashInferAttentionBackend(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                                             cfg.softmax_scale, torch.float32, torch.float32, 1.0, r.device,
-                                            r.req_to_token.table.shape[1])
+                                            r.req_to_token.table.shape[1], **backend_kw)
     r.forward_ctx.attn_backend = backend
-    before = fake_flashinfer.BatchMLAPagedAttentionWrapper.plans
-    got = _rounds(eng)
-    assert fake_flashinfer.BatchMLAPagedAttentionWrapper.plans - before >= 3 + 20  # one plan per forward
+    return ref, eng, backend
+
+
+def _assert_same(ref, got) -> None:
     for (rt, rl), (gt, gl) in zip(ref, got):
         assert gt == rt
         assert max(abs(a - b) for a, b in zip(gl, rl)) < 1e-4  # float32: absorbed vs expanded rounding only
+
+
+def test_backend_plumbing_matches_torch_reference(monkeypatch):
+    ref, eng, _ = _fake_backend_engine(monkeypatch)
+    before = fake_flashinfer.BatchMLAPagedAttentionWrapper.plans
+    got = _rounds(eng)
+    assert fake_flashinfer.BatchMLAPagedAttentionWrapper.plans - before >= 3 + 20  # one plan per forward
+    _assert_same(ref, got)
+
+
+def test_decode_only_runs_extends_on_triton(monkeypatch):
+    """'flashinfer-decode': decode forwards are planned and run by FlashInfer, every extend (fresh prompts, prompts
+    over a cached prefix) by the Triton backend it keeps; outputs equal the torch reference's."""
+    ref, eng, backend = _fake_backend_engine(monkeypatch, decode_only=True)
+    modes = []
+    plan = backend.begin_forward
+
+    def begin_forward(fb, ctx, graph_bs=None):
+        before = fake_flashinfer.BatchMLAPagedAttentionWrapper.plans
+        plan(fb, ctx, graph_bs)
+        modes.append((fb.mode.is_decode, fake_flashinfer.BatchMLAPagedAttentionWrapper.plans - before,
+                      backend.active is None))
+
+    monkeypatch.setattr(backend, "begin_forward", begin_forward)
+    got = _rounds(eng)
+    assert any(not d for d, _, _ in modes) and any(d for d, _, _ in modes)
+    assert all(plans == (1 if decode else 0) and fallback == (not decode) for decode, plans, fallback in modes)
+    _assert_same(ref, got)

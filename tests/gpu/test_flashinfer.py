@@ -29,18 +29,22 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, logpr
 TEACHER = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=True)
 
 
-@pytest.fixture(scope="module")
-def tiny_mla(tmp_path_factory) -> str:
+def _write_tiny_mla(path, heads: int) -> str:
+    """tiny's config with DeepSeek's attention dimensions and `heads` heads, random weights in the HF layout."""
     from engine.checkpoint.tiny import hf_state_dict, write_checkpoint
     from engine.checkpoint.tiny_tokenizer import write_tokenizer
 
-    config = dict(lookup("tiny").config_dict(), num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
+    config = dict(lookup("tiny").config_dict(), num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=512,
                   qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
     cfg = parse_config(config)
-    path = tmp_path_factory.mktemp("tiny-mla")
     write_checkpoint(path, config, {k: v.to(torch.bfloat16) for k, v in hf_state_dict(cfg).items()})
     write_tokenizer(path, cfg)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_mla(tmp_path_factory) -> str:
+    return _write_tiny_mla(tmp_path_factory.mktemp("tiny-mla"), 16)
 
 
 def _prompts(n=6, seed=0):
@@ -76,7 +80,7 @@ def test_flashinfer_backend_is_used(tiny_mla):
 
     eng = _engine(tiny_mla, enable_flashinfer_mla=True, cuda_graph_bs="1,2")
     assert isinstance(eng.runner.forward_ctx.attn_backend, FlashInferAttentionBackend)
-    assert eng.runner.attention_backend == "flashinfer"
+    assert eng.runner.kernel_choice.attention == "flashinfer"
 
 
 def test_flashinfer_and_triton_match_torch_reference(tiny_mla):
@@ -119,6 +123,34 @@ def test_flashinfer_spec_greedy_identical_with_graphs_and_compile(tiny_mla):
     same = same_up_to_ties(on, off)
     print(f"flashinfer spec: {same} of {sum(len(o.token_ids) for o in off)} tokens equal before any near-tie flip")
     assert same >= sum(len(o.token_ids) for o in off) // 2
+
+
+@pytest.fixture(scope="module")
+def tiny_mla_128(tmp_path_factory) -> str:
+    """tiny-mla with 128 heads: the heads per rank of DeepSeek-V3 on one GPU or a DP-attention rank."""
+    return _write_tiny_mla(tmp_path_factory.mktemp("tiny-mla-128"), 128)
+
+
+def test_auto_runs_flashinfer_decode_at_128_heads(tiny_mla_128):
+    """'auto' on a Hopper GPU with FlashInfer and 128 heads: FlashInfer decodes (eager, in CUDA graphs and under
+    torch.compile), Triton prefills; greedy outputs equal the Triton backend's up to bf16 near-ties."""
+    from tests.speculative.helpers import same_up_to_ties
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("'auto' picks FlashInfer's decode on Hopper GPUs only")
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, top_logprobs=2)
+    ps = _prompts(12, seed=7)
+    ref = _engine(tiny_mla_128, attention_backend="triton", cuda_graph_bs="1,2,4,8,16").generate(
+        input_ids=ps, sampling_params=params)
+    total = sum(len(o.token_ids) for o in ref)
+    for kw in (dict(disable_cuda_graph=True), dict(cuda_graph_bs="1,2,4,8,16"),
+               dict(cuda_graph_bs="1,2,4,8,16", enable_torch_compile=True, torch_compile_max_bs=8)):
+        eng = _engine(tiny_mla_128, **kw)
+        assert eng.runner.kernel_choice.attention == "flashinfer-decode"
+        got = [o.token_ids for o in eng.generate(input_ids=ps, sampling_params=params)]
+        same = same_up_to_ties(got, ref)
+        print(f"flashinfer-decode {kw}: {same} of {total} tokens equal to triton's before any near-tie flip")
+        assert same >= total // 2
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
