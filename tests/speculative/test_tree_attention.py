@@ -1,6 +1,7 @@
 """Tree attention as a batched decode: the scratch table rows, and the FlashInfer backend's page-table
 path (a pure-torch stand-in for flashinfer, tests/engine/fake_flashinfer.py) under speculative decoding."""
 
+import pytest
 import torch
 
 from engine.engine import Engine
@@ -34,7 +35,11 @@ def test_selection_keeps_parents_and_orders_them_first():
     assert tokens[0] == [7, 10, 11, 12, 13] and parents[0] == [-1, 0, 0, 1, 1] and depths[0] == [0, 1, 1, 2, 2]
 
 
-def test_flashinfer_page_table_path_identical(monkeypatch):
+@pytest.mark.parametrize("decode_only", [False, True], ids=["flashinfer", "flashinfer-decode"])
+def test_flashinfer_page_table_path_identical(monkeypatch, decode_only):
+    """Speculative decoding over the FlashInfer backend: tree forwards' KV lists become page tables; with
+    decode_only ('flashinfer-decode') the verify forwards run the Triton backend and the draft's decode steps
+    FlashInfer's."""
     off = Engine(model="tiny", **FLAGS)
     ps = prompts(off.config.vocab_size, n=4, seed=6)
     sp = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
@@ -44,7 +49,7 @@ def test_flashinfer_page_table_path_identical(monkeypatch):
     r, cfg = eng.runner, eng.runner.config
     r.forward_ctx.attn_backend = fi.FlashInferAttentionBackend(
         cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, torch.float32,
-        torch.float32, 1.0, r.device, r.req_to_token.table.shape[1])
+        torch.float32, 1.0, r.device, r.req_to_token.table.shape[1], decode_only=decode_only)
     before = fake_flashinfer.BatchMLAPagedAttentionWrapper.plans
     got = eng.generate(input_ids=ps, sampling_params=sp)
     assert fake_flashinfer.BatchMLAPagedAttentionWrapper.plans > before
