@@ -36,7 +36,8 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def decode_attention(path: str) -> dict:
-    events = json.load(open(path))
+    with open(path) as f:
+        events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     prefill_end = max((e["ts"] + e["dur"] for e in kernels if EXTEND_ATTENTION.search(e["name"])), default=0.0)

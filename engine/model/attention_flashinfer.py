@@ -4,8 +4,8 @@ Extend and decode both run the absorbed formulation through FlashInfer's
 `BatchMLAPagedAttentionWrapper` (with `decode_only`, the 'flashinfer-decode' backend, only decode
 steps do; every other forward runs the Triton backend's extend, which at DeepSeek's 128 heads
 attends prefills in the expanded form at a third of the absorbed form's FLOPs): the query is
-folded into latent space with W_UK (the FP8 bmm when the weights are FP8), attention reads the paged latent cache
-in place (page size 1: one KV-pool slot per page; the pool's [slot, 576] rows are
+folded into latent space with W_UK (the FP8 bmm when the weights are FP8), attention reads the
+paged latent cache in place (page size 1: one KV-pool slot per page; the pool's [slot, 576] rows are
 passed as one packed tensor), and the latent output goes back through W_UV.
 Extend is causal with each request's queries aligned to the end of its KV (the
 cached prefix plus the new tokens, which MLA.forward has already written).

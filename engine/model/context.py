@@ -27,8 +27,9 @@ of the MoE's rows are padding (an idle group's all of them), and a decode batch 
 capture), and the MoE layers' router gives them no expert (ids -1: no expert work, no expert weights read for
 them; the gate kernel reads the marks in its own launch). The runner marks before every decode-graph and piecewise
 replay (and capture: no padding) and `begin_forward` clears them, so every forward starts with one or the other;
-marks equal to the buffer's last are not written again, so steady batch sizes cost nothing per step. A forward split by two-batch overlap is not marked (its micro-batches' contexts carry no
-marks): its padding rows are routed as before.
+marks equal to the buffer's last are not written again, so steady batch sizes cost nothing per step. A forward
+split by two-batch overlap is not marked (its micro-batches' contexts carry no marks): its padding rows are routed
+as before.
 
 Two-batch overlap (`two_batch`, engine/model/two_batch.py; None when off): `begin_forward` decides whether the
 forward runs as two micro-batches and, if so, plans each in a context of its own (`micro`: its batch, its

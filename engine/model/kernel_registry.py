@@ -43,7 +43,6 @@ attention and MoE backend objects are built with `OpRegistry.build` once the KV 
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field, fields
 from typing import Callable, Optional
 
@@ -171,35 +170,31 @@ def auto_name(op: str, setup: KernelSetup) -> str:
     return "triton" if setup.cuda else "torch"
 
 
-def _compute_capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 FLASHINFER_DECODE_HEADS = 128  # the heads per rank FlashInfer's decode was measured faster at (docs/perf.md)
 
 
 def flashinfer_decode_blocker(setup: KernelSetup) -> Optional[str]:
-    """Why 'auto' keeps the Triton decode here instead of FlashInfer's (None: FlashInfer's is the faster one).
+    """Why 'auto' keeps the Triton decode here instead of FlashInfer's (None: FlashInfer's is the faster one);
+    whatever `check_flashinfer` refuses is a reason too, so 'auto' never picks a backend that cannot start.
 
-    Measured on H100 and H200 (docs/perf.md, "MLA decode at 128 heads"): FlashInfer's fa3 MLA decode is 2-3x
-    faster than the Triton kernel with 128 heads per rank over a bf16 cache, within +-5% at 16 heads, and slower
-    over an FP8 cache (the Triton "fp8dot" kernel is 1.6x faster than fa3's FP8 path at 128 heads). Under DP
+    Measured (docs/perf.md, "MLA decode at 128 heads"): FlashInfer's fa3 MLA decode is 2-3x faster than the Triton
+    kernel with 128 heads per rank over a bf16 cache (H100 and H200), within +-5% at 16 heads, and slower over an
+    FP8 cache (the Triton "fp8dot" kernel is 1.6x faster than fa3's FP8 path at 128 heads, H200). Under DP
     attention (128 heads per rank too) it has not run on GPUs yet: --attention-backend flashinfer-decode asks."""
-    cfg = setup.config
-    if setup.expanded_kv or setup.micro_batches:
-        return "expanded K/V or two-batch overlap"
+    if setup.micro_batches:
+        return "two-batch overlap (each micro-batch plans its own attention)"
     if setup.local_heads != FLASHINFER_DECODE_HEADS:
         return f"{setup.local_heads} heads per rank (FlashInfer measured faster at {FLASHINFER_DECODE_HEADS})"
     if setup.group is not None and setup.group.dp_size > 1:
         return "DP attention (not yet run with FlashInfer on GPUs)"
-    if setup.kv_dtype not in (torch.bfloat16, torch.float16) or setup.dtype not in (torch.bfloat16, torch.float16):
-        return "not a 16-bit KV cache and activations"
-    if (cfg.kv_lora_rank, cfg.qk_rope_head_dim) != (512, 64):
-        return "not DeepSeek's latent sizes"
-    if _compute_capability(setup.device) < (9, 0):
+    if setup.kv_dtype not in (torch.bfloat16, torch.float16):
+        return "not a 16-bit KV cache"
+    try:
+        check_flashinfer(setup)
+    except UsageError as why:
+        return str(why)
+    if torch.cuda.get_device_capability(setup.device) < (9, 0):
         return "not a Hopper GPU (measured there only)"
-    if importlib.util.find_spec("flashinfer") is None:
-        return "FlashInfer is not installed"
     return None
 
 

@@ -96,7 +96,7 @@ def test_auto_attention_is_flashinfer_decode_where_its_kernel_is_faster(monkeypa
     """'auto' picks FlashInfer's decode (Triton for the rest) for 128 heads on one GPU over a 16-bit cache on a Hopper
     GPU with FlashInfer installed (its kernel 2-3x the Triton one there, docs/perf.md); Triton for anything else,
     DP attention included (not yet run with FlashInfer on GPUs)."""
-    monkeypatch.setattr(kr, "_compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     fake_flashinfer.install(monkeypatch)
 
     def auto(**kw):
@@ -113,11 +113,12 @@ def test_auto_attention_is_flashinfer_decode_where_its_kernel_is_faster(monkeypa
     dp2 = TPGroup(rank=0, size=2, ranks=(0, 1), attn=TPGroup(rank=0, size=1, ranks=(0,)), dp_size=2)
     assert auto(group=dp2) == ("triton", "DP attention (not yet run with FlashInfer on GPUs)")
     assert auto(expanded_kv=True)[0] == "triton"
-    monkeypatch.setattr(kr, "_compute_capability", lambda device: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert auto() == ("triton", "not a Hopper GPU (measured there only)")
-    monkeypatch.setattr(kr, "_compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    assert auto() == ("triton", "FlashInfer is not installed")
+    assert auto() == ("triton", "--attention-backend flashinfer: FlashInfer is not installed (pip install "
+                                "flashinfer-python), or use --attention-backend triton (the CUDA default)")
     assert kr.resolve_kernels({}, _setup(CPU, model="deepseek-v3")).attention == "torch"
 
 
