@@ -15,11 +15,12 @@ experts, N 2048; the ids of the other ranks' experts contribute nothing). Per sh
    + x read + out written) / HBM bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s; other GPUs: a measured copy).
 
 `engine` is what the engine runs today (config=None: the tuned file for this GPU, else
-kernels/tuned_configs.py's default). Variant names: m<BLOCK_M>n<BLOCK_N>w<warps>s<stages>; `-fp8` / `-f16` force
-the FP8-wgmma or float16 dot (the default picks FP8 for BLOCK_M >= 64), `-ptx0` the unpack in Triton
-instead of inline PTX, `-sT` the same config with the weight scales stored K-group-major (a layout the loader
-could adopt: the kernel reads strides), `-d<N>` the down GEMM's BLOCK_N. Times are medians (triton.testing.do_bench) of a CUDA graph that runs
-the op over 8 rotating routings (2 for T > 256), divided by the count. About 3 minutes on one H100.
+kernels/tuned_configs.py's default). Variant names: m<BLOCK_M>n<BLOCK_N>w<warps>s<stages>; `-mma` forces the
+row-major kernel (SWAP_AB 0; the swapped one runs tiles of 64+ weight rows otherwise), `-k<N>` the swapped
+kernel's K step (whole INT4 groups), `-sT` the same config with the weight scales stored K-group-major (a layout
+the loader could adopt: the kernel reads strides), `-d<N>` the down GEMM's BLOCK_N. Times are medians
+(triton.testing.do_bench) of a CUDA graph that runs the op over 8 rotating routings (2 for T > 256), divided by
+the count. About 2 minutes on one H200.
 Writes DIR/results.md and DIR/results.json with --out.
 """
 
@@ -59,27 +60,25 @@ def cfg(bm, bn, bk=128, gm=1, w=4, s=4, **extra):
                 **extra)
 
 
-# (name, config, scales K-group-major): decode tiles (BLOCK_M 16, float16 mma.sync), mid-size, prefill
-# (BLOCK_M 64: FP8 wgmma by default). The tuner's row cap per batch (tuning/search_space.py) drops tiles too
-# tall for the batch.
+# (name, config, scales K-group-major). Tiles of 64+ weight rows (BLOCK_N) run the swapped kernel (wgmma: weights x
+# tokens, FP8 dots) by default; `-mma` forces the row-major kernel (SWAP_AB 0: float16 mma.sync below 64 rows,
+# FP8 wgmma from 64), as do tiles of 32 weight rows. The tuner's row cap per batch (tuning/search_space.py) drops
+# tiles too tall for the batch.
 SWEEP = [
-    ("m16n32w2s8", cfg(16, 32, w=2, s=8, BLOCK_SIZE_N_DOWN=128, num_stages_DOWN=4), False),
-    ("m16n32w1s8", cfg(16, 32, w=1, s=8, BLOCK_SIZE_N_DOWN=64), False),
-    ("m16n64w2s6", cfg(16, 64, w=2, s=6, BLOCK_SIZE_N_DOWN=128), False),
-    ("m16n64w4s4", cfg(16, 64, w=4, s=4, BLOCK_SIZE_N_DOWN=256), False),
-    ("m16n64w4s4-d128", cfg(16, 64, w=4, s=4, BLOCK_SIZE_N_DOWN=128), False),
-    ("m16n64w4s4-ptx0", cfg(16, 64, w=4, s=4, BLOCK_SIZE_N_DOWN=256, UNPACK_ASM=0), False),
-    ("m16n64w4s4-sT", cfg(16, 64, w=4, s=4, BLOCK_SIZE_N_DOWN=256), True),
-    ("m16n128w4s4", cfg(16, 128, w=4, s=4, BLOCK_SIZE_N_DOWN=256), False),
-    ("m32n64w4s4", cfg(32, 64, w=4, s=4, BLOCK_SIZE_N_DOWN=128), False),
-    ("m32n64w4s4-d256", cfg(32, 64, w=4, s=4, BLOCK_SIZE_N_DOWN=256, num_warps_DOWN=8), False),
+    ("m16n32w2s8-mma", cfg(16, 32, w=2, s=8, BLOCK_SIZE_N_DOWN=128, num_stages_DOWN=4, SWAP_AB_DOWN=0), False),
+    ("m16n64w4s4-mma", cfg(16, 64, w=4, s=4, BLOCK_SIZE_N_DOWN=128, SWAP_AB=0), False),
+    ("m16n64w4s4", cfg(16, 64, w=4, s=4, BLOCK_SIZE_N_DOWN=128), False),
+    ("m16n64w4s3-k256", cfg(16, 64, bk=256, w=4, s=3, BLOCK_SIZE_N_DOWN=128), False),
+    ("m16n64w4s3-k256-sT", cfg(16, 64, bk=256, w=4, s=3, BLOCK_SIZE_N_DOWN=128), True),
+    ("m16n64w4s2-k512", cfg(16, 64, bk=512, w=4, s=2, BLOCK_SIZE_N_DOWN=128), False),
+    ("m16n128w4s3", cfg(16, 128, w=4, s=3, BLOCK_SIZE_N_DOWN=128), False),
+    ("m16n64w4s4-d256w8", cfg(16, 64, w=4, s=4, BLOCK_SIZE_N_DOWN=256, num_warps_DOWN=8), False),
+    ("m32n64w4s4-mma", cfg(32, 64, w=4, s=4, BLOCK_SIZE_N_DOWN=128, SWAP_AB=0), False),
     ("m32n128w4s3", cfg(32, 128, w=4, s=3), False),
-    ("m64n64w4s4", cfg(64, 64, gm=16, w=4, s=4), False),
+    ("m64n128w8s3-mma", cfg(64, 128, gm=16, w=8, s=3, SWAP_AB=0), False),
     ("m64n128w8s3", cfg(64, 128, gm=16, w=8, s=3), False),
-    ("m64n128w8s3-f16", cfg(64, 128, gm=16, w=8, s=3, FP8_DOT=0), False),
-    ("m64n128w8s4-sT", cfg(64, 128, gm=16, w=8, s=4), True),
 ]
-QUICK = ["m16n32w2s8", "m16n64w4s4", "m16n64w4s4-sT", "m32n64w4s4", "m64n128w8s3"]
+QUICK = ["m16n32w2s8-mma", "m16n64w4s4-mma", "m16n64w4s3-k256", "m32n128w4s3", "m64n128w8s3"]
 
 
 def log(*args):

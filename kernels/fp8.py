@@ -128,21 +128,27 @@ def quant_tile(x, EXACT_ROUND: tl.constexpr):
 @triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg, eps,
                         GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, EXACT_ROUND: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        DEINTERLEAVE: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     quant_groups(x_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1), K, stride_xm, stride_qm, stride_sm,
-                 stride_sg, eps, GROUP, GROUPS_PER_PROG, EXACT_ROUND)
+                 stride_sg, eps, GROUP, GROUPS_PER_PROG, EXACT_ROUND, DEINTERLEAVE)
 
 
 @triton.jit
 def quant_groups(x_ptr, q_ptr, s_ptr, row, gblk, K, stride_xm, stride_qm, stride_sm, stride_sg, eps,
-                 GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, EXACT_ROUND: tl.constexpr):
-    """Quantise groups [gblk * GROUPS_PER_PROG, +GROUPS_PER_PROG) of one row (also used by the MoE prologue)."""
+                 GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, EXACT_ROUND: tl.constexpr,
+                 DEINTERLEAVE: tl.constexpr = False):
+    """Quantise groups [gblk * GROUPS_PER_PROG, +GROUPS_PER_PROG) of one row (also used by the MoE prologue).
+    DEINTERLEAVE stores each group's even columns first, then its odd ones (`deinterleave_groups`)."""
     row = row.to(tl.int64)
     g = gblk * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = cols < K
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    src = cols
+    if DEINTERLEAVE:  # output column p of a group holds input column 2 (p mod G/2) + p div G/2
+        p = tl.arange(0, GROUP)
+        src = g[:, None] * GROUP + (2 * (p % (GROUP // 2)) + p // (GROUP // 2))[None, :]
+    x = tl.load(x_ptr + row * stride_xm + src, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), eps) / 448.0
     q = tl.clamp(x / scale[:, None], -448.0, 448.0)
     q = round_to_e4m3_grid(q, EXACT_ROUND)
@@ -261,15 +267,18 @@ def groups_per_program(groups: int, group_size: int) -> int:
 
 
 def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP_SIZE, column_major_scales: bool = False,
-                              eps: float = ACT_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+                              eps: float = ACT_EPS, deinterleave: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (last dim contiguous) -> (q [..., K] e4m3, scale [..., ceil(K/group)] float32).
 
     With `column_major_scales` the scale of a 2-D x is a [M, G] view of a [G, M]
-    buffer (stride (1, M)), the layout the block GEMM reads fastest.
+    buffer (stride (1, M)), the layout the block GEMM reads fastest. With `deinterleave` q holds each
+    group's even columns, then its odd ones (kernels.fp8_math.deinterleave_groups; whole groups only).
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
     *lead, k = x.shape
+    if deinterleave and k % group_size:
+        raise ValueError(f"de-interleaved quantisation needs whole groups: K = {k}, group {group_size}")
     x2 = x.reshape(-1, k)
     m, g = x2.shape[0], cdiv(k, group_size)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
@@ -283,7 +292,8 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP_SIZE, col
         gpp = groups_per_program(g, group_size)
         _group_quant_kernel[(m, cdiv(g, gpp))](
             x2, q, s, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), eps,
-            GROUP=group_size, GROUPS_PER_PROG=gpp, EXACT_ROUND=interpreting(), num_warps=4, **launch_options())
+            GROUP=group_size, GROUPS_PER_PROG=gpp, EXACT_ROUND=interpreting(), DEINTERLEAVE=deinterleave,
+            num_warps=4, **launch_options())
     return q.view(*lead, k), (s if column_major_scales else s.view(*lead, g))
 
 

@@ -85,6 +85,14 @@ def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tupl
     return (weight.float() * expand_block_scale(scale_inv, n, k, block, offset)).to(dtype)
 
 
+def deinterleave_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [..., K] with each 1 x group_size group's even columns first, then its odd ones (K whole groups):
+    the activation order of the W4AFP8 kernel that meets packed INT4 bytes (elements 2j, 2j + 1) nibble by
+    nibble."""
+    *lead, k = x.shape
+    return x.reshape(*lead, k // group_size, group_size // 2, 2).transpose(-1, -2).reshape(*lead, k)
+
+
 def dequant_groups(q: torch.Tensor, scale: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
     """Inverse of `quantize_groups`, in float32."""
     s = scale.float().repeat_interleave(group_size, dim=-1)[..., : q.shape[-1]]

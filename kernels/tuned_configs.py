@@ -166,14 +166,15 @@ def default_moe_config(M: int, E: int, N: int, top_k: int, dtype: str) -> dict:
             return _cfg(32, 128, 128, stages=3)
         return _cfg(64, 128, 128, gm=16, stages=3)
     if dtype == "w4afp8":  # INT4 weights, FP8 activations (kernels/fused_moe_w4a8.py); BLOCK_SIZE_K >= 64 on a GPU
-        # from the sm_90a instruction counts, then `benchmarks/bench_w4afp8_moe.py --quick` on an H100 (docs/perf.md):
-        # the engine's config was within 5% of the best variant from 1 to 256 tokens; at 4096 the 32-row fp16
-        # tiles took 0.70x the time of the 64-row FP8-dot ones (m64n128w8s3), so they serve prefill too
-        if per_expert <= 1:  # few experts touched: narrow tiles, deep pipelines to keep HBM busy
-            return _cfg(16, 32, 128, warps=2, stages=8, BLOCK_SIZE_N_DOWN=128, num_stages_DOWN=4)
-        if per_expert <= 8:
-            return _cfg(16, 64, 128, stages=4, BLOCK_SIZE_N_DOWN=256)
-        return _cfg(32, 64, 128, stages=4, BLOCK_SIZE_N_DOWN=128)
+        # from `benchmarks/bench_w4afp8_moe.py` and `dsctl bench one-batch` on an H200 (docs/perf.md, fourteenth GPU
+        # session): one or two tokens over 256 experts stream fastest through the row-major kernel's 32-row tiles
+        # (and its down GEMM: 0.98x the step with the swapped one at batch 1); from there tiles of 64 weight rows (the
+        # swapped kernel) stepping two INT4 groups (256 columns) at a time; prefill 32-token tiles
+        if per_expert <= 0.1:
+            return _cfg(16, 32, 128, warps=2, stages=8, BLOCK_SIZE_N_DOWN=128, num_stages_DOWN=4, SWAP_AB_DOWN=0)
+        if per_expert <= 32:
+            return _cfg(16, 64, 256, stages=3, BLOCK_SIZE_N_DOWN=128)
+        return _cfg(32, 128, 128, stages=3)
     if dtype == "fp32":  # 4-byte operands: the 16-bit tiles would overflow shared memory (228 KB on H100)
         return _cfg(16, 64, 64, stages=2) if per_expert <= 4 else _cfg(32, 64, 32, gm=8, stages=2)
     if per_expert <= 4:

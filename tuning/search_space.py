@@ -27,6 +27,7 @@ from typing import Iterable, Optional
 import torch
 
 from kernels.int4 import INT4_GROUP
+from kernels.w4a8_gemm import swapped
 
 KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
@@ -92,6 +93,7 @@ class GemmKind:
     b_bytes: int = 1
     gated: bool = False  # gate and up tiles side by side (fused MoE gate_up)
     block_shape: Optional[tuple[int, int]] = (128, 128)
+    whole_groups: bool = False  # K tiles may also be whole scale groups (the swapped W4AFP8 kernel's 64+ row tiles)
 
 
 def _next_pow2(x: float) -> int:
@@ -116,7 +118,10 @@ def static_reason(cfg: dict, kind: GemmKind, limits: Limits) -> Optional[str]:
     bn, bk = cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     if kind.block_shape is not None:
         qn, qk = kind.block_shape
-        if qk % bk:
+        several = kind.whole_groups and swapped(cfg, qk)
+        if several and bk < qk:
+            return "same K step"  # the swapped kernel steps whole groups: as BLOCK_SIZE_K = the group
+        if qk % bk and not (several and bk % qk == 0):
             return "block shape"  # a K tile would straddle two scale groups
         if qn % bn and bn % qn:
             return "block shape"
@@ -131,11 +136,12 @@ def static_reason(cfg: dict, kind: GemmKind, limits: Limits) -> Optional[str]:
 
 def moe_kinds(n: int, k: int, dtype: str, block_shape) -> tuple[GemmKind, GemmKind]:
     """(gate_up, down) GEMMs of a fused-MoE layer: gate_up [2N, K] gated, down [K, N]. w4afp8 (INT4 weights,
-    kernels/fused_moe_w4a8.py): a K tile must divide the 128-wide INT4 group (min(128, N) for the down GEMM);
-    the packed B tile is unpacked to FP8 before the dot, so it is counted at one byte per weight."""
+    kernels/fused_moe_w4a8.py): a K tile must divide the 128-wide INT4 group (min(128, N) for the down GEMM), or,
+    on tiles of 64+ weight rows (the swapped kernel), be whole groups; the packed B tile is unpacked to FP8
+    before the dot, so it is counted at one byte per weight."""
     if dtype == "w4afp8":
-        up = GemmKind(n=n, k=k, a_bytes=1, b_bytes=1, gated=True, block_shape=(1, INT4_GROUP))
-        return up, GemmKind(n=k, k=n, a_bytes=1, b_bytes=1, block_shape=(1, min(INT4_GROUP, n)))
+        up = GemmKind(n=n, k=k, a_bytes=1, b_bytes=1, gated=True, block_shape=(1, INT4_GROUP), whole_groups=True)
+        return up, GemmKind(n=k, k=n, a_bytes=1, b_bytes=1, block_shape=(1, min(INT4_GROUP, n)), whole_groups=True)
     nbytes = 1 if dtype == "fp8_w8a8" else 2
     up = GemmKind(n=n, k=k, a_bytes=nbytes, b_bytes=nbytes, gated=True, block_shape=block_shape)
     down = GemmKind(n=k, k=n, a_bytes=nbytes, b_bytes=nbytes, gated=False, block_shape=block_shape)

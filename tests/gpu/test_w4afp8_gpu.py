@@ -50,19 +50,33 @@ def _v3_problem(t, n=256):
     return x, w13, w2, ids, w, s13, s2
 
 
+# the engine's look-up, then each GEMM kernel explicitly: the swapped one (64+ weight rows per tile) at decode and
+# prefill tile heights, the row-major one (SWAP_AB 0) on 16-row tiles
+KERNEL_CONFIGS = {
+    "engine": None,
+    "swapped m16": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=4),
+    "swapped m64": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, num_warps=8,
+                        num_stages=3),
+    "row-major m16": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4,
+                          num_stages=4, SWAP_AB=0),
+}
+
+
+@pytest.mark.parametrize("kernel", list(KERNEL_CONFIGS))
 @pytest.mark.parametrize("t", [1, 37, 300])
-def test_kernel_matches_reference_at_v3_shapes(t):
+def test_kernel_matches_reference_at_v3_shapes(t, kernel):
     from kernels.fused_moe_w4a8 import fused_moe_w4a8, fused_moe_w4a8_ref  # lazy: Triton on the GPU only
 
+    cfg = KERNEL_CONFIGS[kernel]
     x, w13, w2, ids, w, s13, s2 = _v3_problem(t)
-    got = fused_moe_w4a8(x, w13, w2, ids, w, w13_scale=s13, w2_scale=s2)
+    got = fused_moe_w4a8(x, w13, w2, ids, w, w13_scale=s13, w2_scale=s2, config=cfg)
     ref = fused_moe_w4a8_ref(x, w13, w2, ids, w, w13_scale=s13, w2_scale=s2)
     rel = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
     assert torch.isfinite(got).all() and rel < 1e-2, rel  # bf16 intermediate roundings, accumulation order
     out = torch.empty_like(got)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe_w4a8(x, w13, w2, ids, w, w13_scale=s13, w2_scale=s2, out=out)
+        fused_moe_w4a8(x, w13, w2, ids, w, w13_scale=s13, w2_scale=s2, out=out, config=cfg)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, got)
@@ -70,15 +84,16 @@ def test_kernel_matches_reference_at_v3_shapes(t):
 
 def test_every_unpack_path_matches_reference():
     """The INT4 unpacks (kernels/fused_moe_w4a8.py): float16 operands (mma.sync tiles) and e4m3 (v + 8) / 512 with
-    the offset correction (FP8 wgmma tiles), each as inline PTX and as Triton ops. PTX and Triton forms compute
+    the offset correction (FP8 wgmma tiles, row-major and swapped), each as inline PTX and as Triton ops. PTX and Triton forms compute
     the same numbers, so their outputs are bit-equal; each is within the bf16 roundings of the reference."""
     from kernels.fused_moe_w4a8 import fused_moe_w4a8, fused_moe_w4a8_ref  # lazy: Triton on the GPU only
 
     x, w13, w2, ids, w, s13, s2 = _v3_problem(300, n=512)
     ref = fused_moe_w4a8_ref(x, w13, w2, ids, w, w13_scale=s13, w2_scale=s2).double()
-    tiles = {"f16 mma.sync": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, num_warps=4, num_stages=4),
-             "f16 wgmma": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, FP8_DOT=0, num_warps=4, num_stages=3),
-             "fp8 wgmma": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, num_warps=8, num_stages=3)}
+    tiles = {"f16 mma.sync": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, num_warps=4, num_stages=4, SWAP_AB=0),
+             "f16 wgmma": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, FP8_DOT=0, num_warps=4, num_stages=3, SWAP_AB=0),
+             "fp8 wgmma": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, num_warps=8, num_stages=3, SWAP_AB=0),
+             "fp8 wgmma swapped": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, num_warps=4, num_stages=4)}
     for name, tile in tiles.items():
         outs = [fused_moe_w4a8(x, w13, w2, ids, w, w13_scale=s13, w2_scale=s2,
                                config=dict(tile, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, UNPACK_ASM=asm)) for asm in (1, 0)]

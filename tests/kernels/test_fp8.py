@@ -18,7 +18,14 @@ from kernels.fp8 import (
     per_token_group_quant_fp8,
     per_token_group_quant_fp8_ref,
 )
-from kernels.fp8_math import FP8_DTYPE, FP8_MAX, dequant_groups, expand_block_scale, quantize_block_fp8
+from kernels.fp8_math import (
+    FP8_DTYPE,
+    FP8_MAX,
+    deinterleave_groups,
+    dequant_groups,
+    expand_block_scale,
+    quantize_block_fp8,
+)
 
 U = 2.0 ** -4  # e4m3 unit roundoff (half an ulp, relative)
 
@@ -73,6 +80,28 @@ def test_group_quant_column_major_scales(poison):
     q_rm, s_rm = per_token_group_quant_fp8(x)
     assert s.shape == (9, 3) and s.stride() == (1, 9)
     assert torch.equal(s, s_rm) and torch.equal(q.float(), q_rm.float())
+
+
+@cpu_only
+def test_group_quant_deinterleaved(poison):
+    """deinterleave=True (the swapped W4AFP8 GEMM's activation order): the same codes and scales, each group's
+    even columns first, then its odd ones; both launch paths of the MoE prologue agree with it."""
+    from kernels.moe_align import align_plan
+    from kernels.moe_common import align_and_quant
+
+    x = _rand(5, 384, seed=4, dtype=torch.bfloat16)
+    q, s = per_token_group_quant_fp8(x, 128)
+    qd, sd = per_token_group_quant_fp8(x, 128, deinterleave=True)
+    assert torch.equal(sd, s)
+    assert torch.equal(qd.float(), deinterleave_groups(q.float(), 128))
+    assert torch.equal(deinterleave_groups(torch.arange(8.0), 4), torch.tensor([0.0, 2, 1, 3, 4, 6, 5, 7]))
+    for experts, n_ids in ((8, 10), (1024, 200)):  # the one-launch prologue, then alignment launches + quantisation
+        assert align_plan(n_ids, experts, 16).small == (n_ids == 10)
+        ids = torch.randint(0, experts, (n_ids,), dtype=torch.int32)
+        _, qa, sa = align_and_quant(x, ids, experts, 16, 128, deinterleave=True)
+        assert torch.equal(qa.float(), qd.float()) and torch.equal(sa, s)
+    with pytest.raises(ValueError, match="whole groups"):
+        per_token_group_quant_fp8(x[:, :200], 128, deinterleave=True)
 
 
 @cpu_only

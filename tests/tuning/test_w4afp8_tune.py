@@ -30,6 +30,11 @@ def test_search_space_respects_the_int4_group():
     kept = ss.moe_candidates(64, 64, 7168, 8, 256, "w4afp8", None, ss.Limits()).kept
     assert kept and all(c["BLOCK_SIZE_K"] <= 64 for c in kept)  # K tiles of the down GEMM fit its group
     assert tc.default_moe_config(1, 256, 256, 8, "w4afp8")["BLOCK_SIZE_K"] == 128
+    # gate_up of V3 at TP 8: K tiles of whole groups only where the swapped kernel runs (64+ weight rows), and
+    # no tile smaller than a group there (the swapped kernel would step a whole group anyway)
+    kept = ss.moe_candidates(64, 256, 7168, 8, 256, "w4afp8", None, ss.Limits()).kept
+    assert {c["BLOCK_SIZE_K"] for c in kept if c["BLOCK_SIZE_N"] >= 64} == {128, 256}
+    assert {c["BLOCK_SIZE_K"] for c in kept if c["BLOCK_SIZE_N"] < 64} <= {64, 128}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter check; on a GPU tune-moe runs it at real shapes")
