@@ -12,8 +12,9 @@ partial product by (activation scale x weight scale) and accumulates in fp32. Tw
 - `_w4a8_swapped_kernel` (C^T = B @ A^T): the weight rows fill the 64-row side of Hopper's FP8 wgmma straight
   from the registers they were unpacked in, the few token rows the narrow side; A comes de-interleaved per
   INT4 group (the quantisers' `deinterleave`), so each nibble meets a contiguous half of the group and nothing
-  is interleaved in registers; the next group's scales are loaded while a group computes. On an H200 it is
-  1.2-1.4x the row-major kernel from 16 tokens (docs/perf.md, fourteenth GPU session).
+  is interleaved in registers; the next group's scales are loaded while a group computes. On an H200, tuned,
+  it takes 0.75-0.84x the time of the row-major kernel at that kernel's tuned tile from 16 to 256 tokens at TP 4
+  and TP 8 of DeepSeek-V3 (0.72-0.97x at EP 8; docs/perf.md, fourteenth GPU session).
 
 `swapped(cfg, group)` says which one a config runs (key SWAP_AB; default: tiles of 64+ weight rows, BLOCK_N).
 Config keys beyond kernels/fused_moe.py's: SWAP_AB, FP8_DOT (row-major kernel: force the dot's operand type),
