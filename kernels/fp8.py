@@ -266,6 +266,12 @@ def groups_per_program(groups: int, group_size: int) -> int:
     return min(triton.next_power_of_2(groups), max(1, 1024 // group_size))
 
 
+def check_deinterleave(k: int, group_size: int, deinterleave: bool) -> None:
+    """A de-interleaved quantisation (`quant_groups`' DEINTERLEAVE) needs K in whole groups (ValueError otherwise)."""
+    if deinterleave and k % group_size:
+        raise ValueError(f"de-interleaved quantisation needs whole groups: K = {k}, group {group_size}")
+
+
 def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP_SIZE, column_major_scales: bool = False,
                               eps: float = ACT_EPS, deinterleave: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (last dim contiguous) -> (q [..., K] e4m3, scale [..., ceil(K/group)] float32).
@@ -277,8 +283,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP_SIZE, col
     if x.stride(-1) != 1:
         x = x.contiguous()
     *lead, k = x.shape
-    if deinterleave and k % group_size:
-        raise ValueError(f"de-interleaved quantisation needs whole groups: K = {k}, group {group_size}")
+    check_deinterleave(k, group_size, deinterleave)
     x2 = x.reshape(-1, k)
     m, g = x2.shape[0], cdiv(k, group_size)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)

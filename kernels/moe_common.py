@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import groups_per_program, per_token_group_quant_fp8, quant_groups, store_cast
+from kernels.fp8 import check_deinterleave, groups_per_program, per_token_group_quant_fp8, quant_groups, store_cast
 from kernels.fp8_math import FP8_DTYPE
 from kernels.interpret import interpreting
 from kernels.moe_align import MoEAlignment, align_plan, align_small, moe_align_block_size
@@ -163,8 +163,7 @@ def align_and_quant(x: torch.Tensor, ids: torch.Tensor, num_experts: int, block_
         return (moe_align_block_size(ids, block_m, num_experts),
                 *per_token_group_quant_fp8(x, group, deinterleave=deinterleave))
     t, k = x.shape
-    if deinterleave and k % group:
-        raise ValueError(f"de-interleaved quantisation needs whole groups: K = {k}, group {group}")
+    check_deinterleave(k, group, deinterleave)
     g = triton.cdiv(k, group)
     al = plan.empty(x.device)
     xq = torch.empty((t, k), dtype=FP8_DTYPE, device=x.device)
