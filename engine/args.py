@@ -226,6 +226,15 @@ class KernelArgs:
         choices=("auto", "triton", "torch", "flashinfer", "flashinfer-decode"),
     )
     enable_flashinfer_mla: bool = flag(False, "Same as --attention-backend flashinfer (SGLang's flag name).")
+    prefill_attention_backend: str = flag(
+        "auto", "The prefill (extend) attention of --attention-backend triton and flashinfer-decode, over per-head "
+        "keys and values expanded from the latent (also --disable-mla's triton backend): 'triton' "
+        "(kernels/mla_extend.py), 'flashinfer' (FlashInfer's batch prefill; needs `pip install flashinfer-python` "
+        "and bfloat16/float16; extends of fewer than 512 new tokens still run triton), 'torch' (reference). "
+        "'auto': flashinfer where FlashInfer is installed on a Hopper GPU (its fa3 kernel 1.6-2.3x triton's from "
+        "1k tokens, docs/perf.md), triton elsewhere on CUDA.",
+        choices=("auto", "triton", "torch", "flashinfer"),
+    )
     disable_mla: bool = flag(
         False, "Attention without MLA weight absorption (for ablations): the KV cache keeps every head's "
         "expanded key and value (heads x (qk + v) values per token instead of the latent), so it holds far "
@@ -335,7 +344,7 @@ class KernelArgs:
                 "rms_norm": self.rms_norm_backend, "moe_gate": self.moe_gate_backend,
                 "norm_quant": self.norm_quant_backend, "act_quant": self.act_quant_backend,
                 "all_reduce": self.all_reduce_backend, "rope_cache": self.rope_cache_backend,
-                "shared_experts": self.shared_experts_backend}
+                "shared_experts": self.shared_experts_backend, "prefill_attention": self.prefill_attention_backend}
 
     def config_dir(self) -> Optional[str]:
         """--kernel-config-dir, else $DSCTL_KERNEL_CONFIG_DIR, else None (the shipped configs only)."""

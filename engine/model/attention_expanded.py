@@ -16,20 +16,23 @@ Backends (engine/model/kernel_registry.py builds these when KernelSetup.expanded
 - `TritonExpandedAttention`: decode runs kernels/mha_decode.py, a paged kernel that reads
   each request's per-head K/V straight from the pool through the req->token table (fixed
   shapes, lengths on the device: CUDA graphs and torch.compile work as with MLA). Prefill
-  (extend, target-verify, draft-extend) runs kernels/mla_extend.py's packed extend kernel
-  over the new tokens' K/V and each request's cached prefix, gathered from the pool first
-  (requests grouped so a group's gather stays under PREFIX_GATHER_BYTES).
+  (extend, target-verify, draft-extend) runs the expanded prefill attention
+  (engine/model/prefill_attention.py: kernels/mla_extend.py's packed extend kernel, or FlashInfer's
+  batch prefill) over the new tokens' K/V and each request's cached prefix, gathered from the pool
+  first (requests grouped so a group's gather stays under PREFIX_GATHER_BYTES).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from engine.forward_batch import ForwardBatch
 from engine.model.attention import MLA
 from engine.model.context import ForwardContext
+from engine.model.prefill_attention import PrefillGroup, PrefillPlan, TritonPrefill
 from kernels.mha_decode import mha_decode
-from kernels.mla_extend import extend_attention
 
 PREFIX_GATHER_BYTES = 1 << 30  # cached K/V one Triton launch gathers (a lone request may exceed it)
 
@@ -89,10 +92,13 @@ class TorchExpandedAttention(ExpandedAttentionBackend):
 class TritonExpandedAttention(ExpandedAttentionBackend):
     """kernels/mla_extend.py over gathered per-request K/V (see the module docstring)."""
 
-    def __init__(self, token_bytes: int):
-        """token_bytes: one cached token's K/V in one layer (heads x (qk + v) x element size)."""
-        self.prefix_token_budget = max(1, PREFIX_GATHER_BYTES // token_bytes)
+    def __init__(self, token_bytes: int, prefill=None):
+        """token_bytes: one cached token's K/V in one layer (heads x (qk + v) x element size); prefill: the
+        expanded prefill attention (engine/model/prefill_attention.py; default the Triton kernel)."""
+        self.prefill = prefill or TritonPrefill()
+        self.prefix_token_budget = max(1, PREFIX_GATHER_BYTES // (token_bytes * self.prefill.prefix_copies))
         self.groups: list[tuple[int, int, int, int]] = []
+        self.prefill_plan: Optional[PrefillPlan] = None
 
     def begin_forward(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: int | None = None) -> None:
         """Extend batches: group consecutive requests (r0, r1, t0, t1) so each group's gathered prefix fits
@@ -109,6 +115,7 @@ class TritonExpandedAttention(ExpandedAttentionBackend):
                 r1 += 1
             self.groups.append((r, r1, t, t1))
             r, t = r1, t1
+        self.prefill_plan = self.prefill.plan(fb, [PrefillGroup(r0, r1) for r0, r1, _, _ in self.groups])
 
     @torch.compiler.disable
     def attend(self, layer: MLA, q, k, v, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
@@ -119,14 +126,12 @@ class TritonExpandedAttention(ExpandedAttentionBackend):
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_dim)
         table = ctx.req_to_token.table
         rows = fb.req_pool_indices.tolist() if self.groups else []
-        for r0, r1, t0, t1 in self.groups:
+        for group, (r0, r1, t0, t1) in enumerate(self.groups):
             parts = [table[rows[i], :fb.prefix_lens_cpu[i]] for i in range(r0, r1) if fb.prefix_lens_cpu[i]]
             if parts:
                 k_pre, v_pre = read_kv(layer, ctx, torch.cat(parts).to(torch.int64), q.dtype)
             else:
                 k_pre = q.new_empty(0, layer.num_heads, q.shape[-1])
                 v_pre = q.new_empty(0, layer.num_heads, layer.v_dim)
-            extend_attention(q[t0:t1], k[t0:t1], v[t0:t1], k_pre, v_pre, fb.extend_lens[r0:r1],
-                             fb.prefix_lens[r0:r1], layer.scale, max_extend_len=max(fb.extend_lens_cpu[r0:r1]),
-                             out=out[t0:t1])
+            self.prefill.attend(self.prefill_plan, group, q[t0:t1], k[t0:t1], v[t0:t1], k_pre, v_pre, layer.scale, out[t0:t1])
         return out

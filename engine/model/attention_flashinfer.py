@@ -88,7 +88,7 @@ def kv_page_indices(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch
 class FlashInferAttentionBackend:
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, sm_scale: float, q_dtype: torch.dtype,
                  kv_dtype: torch.dtype, kv_scale: float, device: torch.device, max_context: int,
-                 max_graph_bs: int = 0, decode_only: bool = False):
+                 max_graph_bs: int = 0, decode_only: bool = False, prefill=None):
         from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata  # lazy: flashinfer is CUDA-only
 
         self._wrapper_cls, self._metadata_cls = BatchMLAPagedAttentionWrapper, MLAPlanMetadata
@@ -104,7 +104,8 @@ class FlashInferAttentionBackend:
         self.graph_indices: Optional[torch.Tensor] = None  # page indices shared by all graph wrappers
         self.active = None  # the wrapper planned for the forward in flight
         # extends FlashInfer's planner refuses; FlashInfer runs DeepSeek's head dims only (qk_nope 128, v 128)
-        self.fallback = TritonAttentionBackend(num_heads * (128 + rope_dim + 128) * q_dtype.itemsize)
+        # (prefill: the expanded prefill attention that backend's extends run, engine/model/prefill_attention.py)
+        self.fallback = TritonAttentionBackend(num_heads * (128 + rope_dim + 128) * q_dtype.itemsize, prefill=prefill)
         self._plan_copied = None  # CUDA event recorded after the last plan's host-to-device copy
         self._pinned: Optional[torch.Tensor] = None  # page-locked staging of the plan's host arrays (_staged)
         self.fast_replan = True  # False: every graph replay uses FlashInfer's public plan() (benchmarks compare)

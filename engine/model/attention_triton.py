@@ -2,7 +2,8 @@
 
 - extend: the new tokens' k_nope / v come from kv_b_proj on their fresh latent; a
   cached prefix is read back from the latent cache and expanded the same way; the
-  packed varlen kernel attends causally over new tokens and fully over the prefix.
+  expanded prefill (engine/model/prefill_attention.py: the packed varlen Triton kernel,
+  or FlashInfer's batch prefill) attends causally over new tokens and fully over the prefix.
   Expanding a prefix costs heads x (qk + v) values per token (80 KB at 128 heads), so
   the transient memory of a step is bounded (`plan_extend`, once per forward): a
   request that adds at most ABSORB_MAX_EXTEND tokens to a cached prefix (a prefix-cache
@@ -29,9 +30,9 @@ import torch
 from engine.forward_batch import ForwardBatch, to_device
 from engine.model.attention import MLA
 from engine.model.context import ForwardContext
+from engine.model.prefill_attention import PrefillGroup, PrefillPlan, TritonPrefill
 from kernels.fp8 import fp8_bmm
 from kernels.mla_decode import mla_decode
-from kernels.mla_extend import extend_attention
 
 
 def absorbed_query(layer: MLA, q_nope: torch.Tensor) -> torch.Tensor:
@@ -59,7 +60,7 @@ def _fp8_bmm_token_major(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) 
 
 
 ABSORB_MAX_EXTEND = 16  # new tokens over a cached prefix up to which a request attends in latent space
-PREFIX_EXPAND_BYTES = 1 << 30  # expanded prefix K/V of one extend launch (a lone request may exceed it)
+PREFIX_EXPAND_BYTES = 1 << 30  # expanded prefix K/V of one extend launch, its copies included (a lone request may exceed it)
 
 
 @dataclass(frozen=True)
@@ -127,24 +128,32 @@ def _expanded_run(fb: ForwardBatch, rows: list[int], table: torch.Tensor, r0: in
 
 
 class TritonAttentionBackend:
-    def __init__(self, prefix_token_bytes: int, num_kv_splits: int | None = None):
-        """prefix_token_bytes: what expanding one cached token costs (heads x (qk + v) x element size)."""
+    def __init__(self, prefix_token_bytes: int, num_kv_splits: int | None = None, prefill=None):
+        """prefix_token_bytes: what expanding one cached token costs (heads x (qk + v) x element size);
+        prefill: the expanded prefill attention (engine/model/prefill_attention.py; default the Triton kernel)."""
         self.num_kv_splits = num_kv_splits
-        self.prefix_token_budget = max(1, PREFIX_EXPAND_BYTES // prefix_token_bytes)
+        self.prefill = prefill or TritonPrefill()
+        self.prefix_token_budget = max(1, PREFIX_EXPAND_BYTES // (prefix_token_bytes * self.prefill.prefix_copies))
         self.runs: list[ExtendRun] = []
+        self.prefill_plan: Optional[PrefillPlan] = None
 
     def begin_forward(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: int | None = None) -> None:
-        """Extend batches: plan the runs once for every layer (decode reads lengths from device tensors)."""
+        """Extend batches: plan the runs, and the expanded runs' prefill, once for every layer (decode reads
+        lengths from device tensors)."""
         self.runs = [] if fb.mode.is_decode else plan_extend(fb, ctx.req_to_token.table, self.prefix_token_budget)
+        expanded = [PrefillGroup(r.r0, r.r1) for r in self.runs if isinstance(r, ExpandedRun)]
+        self.prefill_plan = self.prefill.plan(fb, expanded) if expanded else None
 
     @torch.compiler.disable
     def extend(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: ForwardContext):
         out = q_nope.new_empty(q_nope.shape[0], layer.num_heads, layer.v_dim)
+        group = 0
         for run in self.runs:
             if isinstance(run, AbsorbedRun):
                 out[run.t0:run.t1] = self._absorbed(layer, q_nope[run.t0:run.t1], q_pe[run.t0:run.t1], run, ctx)
             else:
-                self._expanded(layer, q_nope, q_pe, c_kv, k_pe, fb, ctx, run, out[run.t0:run.t1])
+                self._expanded(layer, q_nope, q_pe, c_kv, k_pe, ctx, run, group, out[run.t0:run.t1])
+                group += 1
         return out
 
     def _absorbed(self, layer: MLA, q_nope, q_pe, run: AbsorbedRun, ctx: ForwardContext) -> torch.Tensor:
@@ -154,16 +163,16 @@ class TritonAttentionBackend:
                              layer.scale, num_kv_splits=self.num_kv_splits, kv_scale=pool.scale)
         return latent_to_values(layer, out_lat.to(q_nope.dtype))
 
-    def _expanded(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, ctx: ForwardContext,
-                  run: ExpandedRun, out: torch.Tensor) -> None:
+    def _expanded(self, layer: MLA, q_nope, q_pe, c_kv, k_pe, ctx: ForwardContext, run: ExpandedRun,
+                  group: int, out: torch.Tensor) -> None:
+        """The expanded run that is group `group` of the prefill's plan."""
         sl = slice(run.t0, run.t1)
         t, h = run.t1 - run.t0, layer.num_heads
         k_nope, v = layer.expand_latent(c_kv[sl])
         q = torch.cat((q_nope[sl], q_pe[sl]), dim=-1)
         k = torch.cat((k_nope, k_pe[sl, None, :].expand(t, h, -1)), dim=-1)
         kp, vp = self._prefix_kv(layer, run.prefix_slots, ctx, c_kv.dtype)
-        extend_attention(q, k, v.contiguous(), kp, vp, fb.extend_lens[run.r0:run.r1], fb.prefix_lens[run.r0:run.r1],
-                         layer.scale, max_extend_len=run.max_extend, out=out)
+        self.prefill.attend(self.prefill_plan, group, q, k, v.contiguous(), kp, vp, layer.scale, out)
 
     def _prefix_kv(self, layer: MLA, slots: Optional[torch.Tensor], ctx: ForwardContext, dtype):
         h, dqk = layer.num_heads, layer.nope + layer.rope_dim

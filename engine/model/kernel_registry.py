@@ -62,6 +62,12 @@ from engine.model.attention_flashinfer import FlashInferAttentionBackend, check_
 from engine.model.attention_triton import TritonAttentionBackend
 from engine.model.kernel_set import Kernels
 from engine.model.moe import TorchMoEBackend, TritonMoEBackend, shared_fusion_blocker
+from engine.model.prefill_attention import (
+    FlashInferPrefill,
+    TorchPrefill,
+    TritonPrefill,
+    flashinfer_prefill_unavailable,
+)
 from kernels.fp8 import cublas_unavailable_reason
 
 AUTO = "auto"
@@ -167,6 +173,10 @@ def auto_name(op: str, setup: KernelSetup) -> str:
         return "triton" if setup.fp8_block is not None and (setup.cuda or setup.interpret) else "off"
     if op == "attention" and setup.cuda and flashinfer_decode_blocker(setup) is None:
         return "flashinfer-decode"
+    if op == "prefill_attention" and setup.cuda and flashinfer_prefill_auto_blocker(setup) is None:
+        return "flashinfer"
+    if op == "prefill_attention" and setup.interpret:
+        return "triton"
     return "triton" if setup.cuda else "torch"
 
 
@@ -198,6 +208,31 @@ def flashinfer_decode_blocker(setup: KernelSetup) -> Optional[str]:
     return None
 
 
+def prefill_head_dims(setup: KernelSetup) -> tuple[int, int]:
+    """(qk, v) values per head of the expanded prefill attention."""
+    cfg = setup.config
+    return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+
+
+def flashinfer_prefill_blocker(setup: KernelSetup) -> Optional[str]:
+    """Why FlashInfer's prefill cannot run in this setup (None: it can)."""
+    if setup.micro_batches:
+        return "two-batch overlap (its micro-batches plan apart; FlashInfer's wrappers hold one forward's plan)"
+    return flashinfer_prefill_unavailable(prefill_head_dims(setup), setup.dtype, setup.device)
+
+
+def flashinfer_prefill_auto_blocker(setup: KernelSetup) -> Optional[str]:
+    """Why 'auto' keeps the Triton extend kernel here (None: FlashInfer's prefill is the faster one). Measured
+    (docs/perf.md, "extend against FlashInfer's prefill"): fa3 1.6-2.3x faster than the Triton kernel at 16 and
+    128 heads from 1k new tokens (H200); on other GPUs FlashInfer would run its fa2 kernel, within -20% / +35%
+    of Triton's, so 'auto' keeps Triton there."""
+    if why := flashinfer_prefill_blocker(setup):
+        return why
+    if torch.cuda.get_device_capability(setup.device) < (9, 0):
+        return "not a Hopper GPU (FlashInfer's fa3 prefill measured faster there only)"
+    return None
+
+
 # ---- start-up checks -----------------------------------------------------------------------
 
 def no_check(setup: KernelSetup) -> None:
@@ -224,6 +259,11 @@ def check_flashinfer(setup: KernelSetup) -> None:
     check_supported(setup.device, setup.dtype, setup.kv_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
 
+def check_flashinfer_prefill(setup: KernelSetup) -> None:
+    if why := flashinfer_prefill_blocker(setup):
+        raise UsageError(f"--prefill-attention-backend flashinfer: {why}; use --prefill-attention-backend triton")
+
+
 def check_token_exchange(setup: KernelSetup) -> None:
     group = setup.group
     if group is None or group.ep_size == 1 or not group.exchanges_tokens:
@@ -248,28 +288,35 @@ def check_cublas(setup: KernelSetup) -> None:
 
 # ---- attention / MoE factories: backend objects for the ForwardContext -------------------------
 
-def torch_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool):
+# `prefill` is what the prefill_attention op built (PREFILL_ATTENTION.build): the expanded prefill the Triton
+# backends run for extends.
+def torch_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool, prefill=None):
     return TorchExpandedAttention() if setup.expanded_kv else TorchAttentionBackend()
 
 
-def triton_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool):
-    cfg = setup.config
-    per_token = setup.local_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+def triton_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool, prefill=None):
+    per_token = setup.local_heads * sum(prefill_head_dims(setup))
     backend = TritonExpandedAttention if setup.expanded_kv else TritonAttentionBackend
-    return backend(per_token * setup.dtype.itemsize)
+    return backend(per_token * setup.dtype.itemsize, prefill=prefill or TritonPrefill())
 
 
-def flashinfer_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool,
+def flashinfer_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool, prefill=None,
                          decode_only: bool = False):
     cfg = setup.config
     return FlashInferAttentionBackend(
         setup.local_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, setup.dtype,
         kv_pool.dtype, kv_pool.scale, setup.device, req_to_token.table.shape[1],
-        max_graph_bs=max(setup.graph_batch_sizes, default=0), decode_only=decode_only)
+        max_graph_bs=max(setup.graph_batch_sizes, default=0), decode_only=decode_only,
+        prefill=prefill or TritonPrefill())
 
 
-def flashinfer_decode_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool):
-    return flashinfer_attention(setup, kv_pool, req_to_token, decode_only=True)
+def flashinfer_decode_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool, prefill=None):
+    return flashinfer_attention(setup, kv_pool, req_to_token, prefill, decode_only=True)
+
+
+def flashinfer_prefill(setup: KernelSetup) -> FlashInferPrefill:
+    qk, v = prefill_head_dims(setup)
+    return FlashInferPrefill(setup.local_heads, qk, v, setup.config.softmax_scale, setup.dtype, setup.device)
 
 
 def returns(value: object) -> Callable[[KernelSetup], object]:
@@ -287,6 +334,11 @@ ATTENTION.register("torch", check_torch_graphs, torch_attention)
 ATTENTION.register("triton", check_triton("--attention-backend"), triton_attention)
 ATTENTION.register("flashinfer", check_flashinfer, flashinfer_attention)
 ATTENTION.register("flashinfer-decode", check_flashinfer, flashinfer_decode_attention)
+PREFILL_ATTENTION = OpRegistry("prefill_attention")
+PREFILL_ATTENTION.register("torch", no_check, lambda setup: TorchPrefill())
+PREFILL_ATTENTION.register("triton", check_triton("--prefill-attention-backend"), lambda setup: TritonPrefill())
+PREFILL_ATTENTION.register("flashinfer", check_flashinfer_prefill, flashinfer_prefill)
+PREFILL_USERS = ("triton", "flashinfer-decode")  # the attention backends whose extends run the prefill op
 
 def moe_label(name: str) -> Callable[[KernelSetup], str]:
     """The MoE backend's name, with "w4afp8" when the routed experts are INT4 (their own kernel and reference)."""
@@ -340,7 +392,8 @@ MOE_A2A.register("none", no_check, returns(None))
 MOE_A2A.register("torch", check_token_exchange, returns(torch_all_to_all), label=process_group_backend)
 
 REGISTRIES: dict[str, OpRegistry] = {r.op: r for r in (ATTENTION, MOE, GEMM, RMS_NORM, MOE_GATE, ALL_REDUCE,
-                                                        NORM_QUANT, ACT_QUANT, ROPE_CACHE, SHARED_EXPERTS, MOE_A2A)}
+                                                        NORM_QUANT, ACT_QUANT, ROPE_CACHE, SHARED_EXPERTS, MOE_A2A,
+                                                        PREFILL_ATTENTION)}
 
 
 @dataclass(frozen=True)
@@ -358,6 +411,7 @@ class KernelChoice:
     rope_cache: str = AUTO
     shared_experts: str = AUTO
     moe_a2a: str = AUTO
+    prefill_attention: str = AUTO
 
     def names(self) -> dict[str, str]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -371,6 +425,12 @@ def resolve_kernels(requested: dict[str, str], setup: KernelSetup) -> KernelChoi
     for fused in ("norm_quant", "act_quant"):
         if asked[fused] == AUTO and chosen["gemm"] == "torch":  # the exact product quantises nothing
             chosen[fused] = "off"
+    if asked["prefill_attention"] == AUTO and chosen["attention"] == "torch":  # the reference all through
+        chosen["prefill_attention"] = "torch"
+    if asked["prefill_attention"] != AUTO and chosen["attention"] not in PREFILL_USERS:
+        raise UsageError(f"--prefill-attention-backend {asked['prefill_attention']}: the expanded prefill runs "
+                         f"under --attention-backend {' or '.join(PREFILL_USERS)}; --attention-backend "
+                         f"{chosen['attention']} attends prefills its own way (drop --prefill-attention-backend)")
     return KernelChoice(**chosen)
 
 

@@ -42,6 +42,7 @@ from engine.model.expert_load import ExpertLoad, ExpertLoadReport
 from engine.model.kernel_registry import (
     ATTENTION,
     MOE,
+    PREFILL_ATTENTION,
     KernelChoice,
     KernelSetup,
     build_kernels,
@@ -326,7 +327,8 @@ class ModelRunner:
             self._check_pool(size)
         self.kv_pool = KVPool(cache_layers, size, self.kv_row_dim, kv_dtype, self.device)
         rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, self.max_model_len + 1, self.device)
-        attention = ATTENTION.build(self.kernel_choice.attention, self.setup, self.kv_pool, self.req_to_token)
+        prefill = PREFILL_ATTENTION.build(self.kernel_choice.prefill_attention, self.setup)
+        attention = ATTENTION.build(self.kernel_choice.attention, self.setup, self.kv_pool, self.req_to_token, prefill)
         moe = MOE.build(self.kernel_choice.moe, self.setup)
         self.forward_ctx = ForwardContext(self.kv_pool, self.req_to_token, rotary, attention, moe,
                                           expanded_kv=self.setup.expanded_kv, expert_load=self._expert_load(),

@@ -26,7 +26,8 @@ from tests.engine import fake_flashinfer
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
 BLOCK = (128, 128)
 OPS = list(kr.REGISTRIES)
-FLAG_OPS = ["attention", "moe", "gemm", "rms_norm", "moe_gate", "norm_quant", "act_quant", "rope_cache"]  # triton each
+FLAG_OPS = ["attention", "moe", "gemm", "rms_norm", "moe_gate", "norm_quant", "act_quant", "rope_cache",
+            "prefill_attention"]  # triton each
 
 
 def _setup(device=CPU, dtype=torch.float32, kv_dtype=None, graphs=(), interpret=False, model="tiny", fp8_block=None):
@@ -71,11 +72,14 @@ def test_auto_on_cpu():
     names = kr.resolve_kernels({}, _setup(CPU, fp8_block=BLOCK)).names()
     assert names == dict(attention="torch", moe="torch", gemm="torch", rms_norm="torch", moe_gate="torch",
                          all_reduce="torch", norm_quant="off", act_quant="off", rope_cache="torch",
-                         shared_experts="separate", moe_a2a="none")
+                         shared_experts="separate", moe_a2a="none", prefill_attention="torch")
     interp = kr.resolve_kernels({}, _setup(CPU, interpret=True, fp8_block=BLOCK)).names()
     # the interpreter is opt-in for every op but the FP8 GEMM (and the norm fused with its quantisation),
     # which the CPU tests run in Triton
     assert interp == dict(names, gemm="triton", norm_quant="triton", act_quant="triton")
+    # the expanded prefill follows the attention backend: the reference with torch's, Triton under triton's
+    triton = kr.resolve_kernels({"attention": "triton"}, _setup(CPU, interpret=True))
+    assert triton.prefill_attention == "triton"
     # the exact torch GEMM quantises no activation: nothing to fuse with
     exact = kr.resolve_kernels({"gemm": "torch"}, _setup(CPU, interpret=True, fp8_block=BLOCK))
     assert exact.norm_quant == exact.act_quant == "off"
@@ -87,7 +91,7 @@ def test_auto_on_cuda(monkeypatch, cublas_why, gemm):
     monkeypatch.setattr(kr, "cublas_unavailable_reason", lambda device: cublas_why)
     choice = kr.resolve_kernels({}, _setup(CUDA, torch.bfloat16, graphs=(1, 2), fp8_block=BLOCK))
     assert choice == kr.KernelChoice("triton", "triton", gemm, "triton", "triton", "torch", "triton", "triton", "triton",
-                                     "fused", "none")
+                                     "fused", "none", "triton")  # (no FlashInfer installed here)
     bf16 = kr.resolve_kernels({}, _setup(CUDA, torch.bfloat16))
     assert bf16.gemm == "torch" and bf16.norm_quant == bf16.act_quant == "off"  # bf16 weights: F.linear, nothing to quantise
 
@@ -178,11 +182,12 @@ def test_describe_names_what_runs_for_each_op(monkeypatch):
     setup = _setup(CUDA, torch.bfloat16, fp8_block=BLOCK)
     assert kr.describe(kr.resolve_kernels({}, setup), setup) == (
         "attention triton, moe triton, gemm triton+cublas, rms_norm triton, moe_gate triton, all_reduce nccl, "
-        "norm_quant triton, act_quant triton, rope_cache triton, shared_experts fused, moe_a2a none")
+        "norm_quant triton, act_quant triton, rope_cache triton, shared_experts fused, moe_a2a none, "
+        "prefill_attention triton")
     cpu = _setup(CPU)
     assert kr.describe(kr.resolve_kernels({"attention": "torch"}, cpu), cpu) == (
         "attention torch, moe torch, gemm torch, rms_norm torch, moe_gate torch, all_reduce gloo, norm_quant off, "
-        "act_quant off, rope_cache torch, shared_experts separate, moe_a2a none")
+        "act_quant off, rope_cache torch, shared_experts separate, moe_a2a none, prefill_attention torch")
 
 
 def test_runner_logs_its_kernels_once(caplog):
@@ -192,7 +197,7 @@ def test_runner_logs_its_kernels_once(caplog):
     lines = [r.getMessage() for r in caplog.records if "kernels:" in r.getMessage()]
     assert lines == ["rank 0 kernels: attention torch, moe torch, gemm torch, rms_norm triton, moe_gate triton, "
                      "all_reduce gloo, norm_quant off, act_quant off, rope_cache torch, shared_experts separate, "
-                     "moe_a2a none, pdl off"]
+                     "moe_a2a none, prefill_attention torch, pdl off"]
     assert runner.kernel_choice.rms_norm == "triton"
 
 
@@ -334,7 +339,7 @@ def test_moe_a2a_follows_the_layout():
     setup = dataclasses.replace(_setup(CPU), group=a2a)
     choice = kr.resolve_kernels({}, setup)
     assert choice.moe_a2a == "torch" and kr.build_kernels(choice, setup).moe_a2a is torch_all_to_all
-    assert kr.describe(choice, setup).endswith("moe_a2a gloo")
+    assert "moe_a2a gloo" in kr.describe(choice, setup)
     plain = dataclasses.replace(_setup(CPU), group=TPGroup(rank=0, size=2, ranks=(0, 1)))
     assert kr.build_kernels(kr.resolve_kernels({}, plain), plain).moe_a2a is None
     with pytest.raises(UsageError, match="expert parallelism"):

@@ -153,6 +153,33 @@ def test_auto_runs_flashinfer_decode_at_128_heads(tiny_mla_128):
         assert same >= total // 2
 
 
+def test_auto_prefills_with_flashinfer(tiny_mla_128, monkeypatch):
+    """'auto' on a Hopper GPU with FlashInfer: FlashInfer's batch prefill runs the expanded extends (every group here:
+    FLASHINFER_MIN_TOKENS lowered to 1), chunked prompts included (later chunks attend over their cached prefix
+    through the ragged copy); greedy outputs equal --prefill-attention-backend triton's up to bf16 near-ties."""
+    from engine.model import prefill_attention
+    from tests.speculative.helpers import same_up_to_ties
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("'auto' picks FlashInfer's prefill on Hopper GPUs only")
+    monkeypatch.setattr(prefill_attention, "FLASHINFER_MIN_TOKENS", 1)
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, top_logprobs=2)
+    g = torch.Generator().manual_seed(11)
+    ps = _prompts(6, seed=9) + [torch.randint(0, 256, (n,), generator=g).tolist() for n in (700, 1100)]
+    kw = dict(chunked_prefill_size=256, cuda_graph_bs="1,2,4,8")
+    ref = _engine(tiny_mla_128, prefill_attention_backend="triton", **kw).generate(input_ids=ps,
+                                                                                   sampling_params=params)
+    eng = _engine(tiny_mla_128, **kw)
+    assert eng.runner.kernel_choice.prefill_attention == "flashinfer"
+    prefill = eng.runner.forward_ctx.attn_backend.fallback.prefill
+    got = [o.token_ids for o in eng.generate(input_ids=ps, sampling_params=params)]
+    assert prefill.wrappers and prefill.workspace is not None  # planned and ran
+    total = sum(len(o.token_ids) for o in ref)
+    same = same_up_to_ties(got, ref)
+    print(f"flashinfer prefill: {same} of {total} tokens equal to triton's before any near-tie flip")
+    assert same >= total // 2
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 def test_flashinfer_close_to_triton_same_cache(tiny_mla, kv_dtype):
     ref = _teacher(tiny_mla, kv_cache_dtype=kv_dtype)
@@ -203,17 +230,24 @@ def _batch(mode, table, perm, prefix, extend):
 
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_layer_decode_and_extend_at_v3_shapes(heads, kv_dtype):
+def test_layer_decode_and_extend_at_v3_shapes(heads, kv_dtype, monkeypatch):
+    """Decode and extend of one layer: Triton, FlashInfer's MLA and the Triton backend with FlashInfer's batch
+    prefill for its expanded run (lowered FLASHINFER_MIN_TOKENS; the run holds a fresh prompt and one over a
+    prefix: the ragged copy) against the torch reference."""
+    from engine.model import prefill_attention
     from engine.model.attention import TorchAttentionBackend
     from engine.model.attention_flashinfer import FlashInferAttentionBackend
     from engine.model.attention_triton import TritonAttentionBackend
     from engine.model.context import ForwardContext
 
+    monkeypatch.setattr(prefill_attention, "FLASHINFER_MIN_TOKENS", 1)
     cfg, layer, pool, table, perm = _v3_layer_setup(heads, kv_dtype)
     fi = FlashInferAttentionBackend(heads, 512, 64, layer.scale, torch.bfloat16, kv_dtype, pool.scale,
                                     torch.device("cuda"), table.table.shape[1])
+    fi_prefill = prefill_attention.FlashInferPrefill(heads, 192, 128, layer.scale, torch.bfloat16,
+                                                     torch.device("cuda"))
     backends = {"torch": TorchAttentionBackend(), "triton": TritonAttentionBackend(heads * 320 * 2),
-                "flashinfer": fi}
+                "flashinfer": fi, "fi-prefill": TritonAttentionBackend(heads * 320 * 2, prefill=fi_prefill)}
     g = torch.Generator(device="cuda").manual_seed(1)
     cases = {"decode": _batch(ForwardMode.DECODE, table, perm, [4000, 17, 1023, 2500, 1], [1] * 5),
              "extend": _batch(ForwardMode.EXTEND, table, perm, [0, 300, 2000], [77, 128, 9])}
@@ -232,9 +266,14 @@ def test_layer_decode_and_extend_at_v3_shapes(heads, kv_dtype):
             else:
                 outs[bname] = backend.extend(layer, q_nope, q_pe, new[:, :512], new[:, 512:], fb, ctx)
         ref = outs["torch"].double()
-        for bname in ("triton", "flashinfer"):
+        for bname in ("triton", "flashinfer", "fi-prefill"):
             errs[f"{name} {bname}"] = ((outs[bname].double() - ref).norm() / ref.norm()).item()
     print(json.dumps({"heads": heads, "kv": str(kv_dtype), "rel_err_vs_torch": errs}))
     for key, err in errs.items():
-        assert err < 2e-2, (key, err)
+        # 128 heads over an e4m3 cache: the Triton decode runs "fp8dot" (queries rounded to e4m3 for FP8 q.k
+        # dots), whose documented error on random data is 1.6-3% (kernels/mla_decode.py, KV_LOADS)
+        fp8dot = heads >= 64 and kv_dtype == torch.float8_e4m3fn and key in ("decode triton", "decode fi-prefill")
+        assert err < (3.5e-2 if fp8dot else 2e-2), (key, err)
     assert fi.active is not None  # the extend ran on FlashInfer, not the Triton fallback
+    ragged = backends["fi-prefill"].prefill_plan.ragged
+    assert [g.prefix_rows is not None for g in ragged] == [True]  # one group, over a prefix
