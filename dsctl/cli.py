@@ -26,7 +26,7 @@ app = typer.Typer(
 
 
 # Each module exposes `register(app)`; add a command by adding its module here.
-COMMAND_MODULES = ("cmd_models", "cmd_generate", "cmd_download", "cmd_tune", "cmd_bench", "cmd_serve",
+COMMAND_MODULES = ("cmd_models", "cmd_generate", "cmd_download", "cmd_tune", "cmd_tune_mla", "cmd_bench", "cmd_serve",
                    "cmd_place_experts")
 
 

@@ -31,7 +31,7 @@ from tuning.errors import NoGpuError, TuneFailed
 
 _BATCH_HELP = ("Comma-separated batch sizes (tokens per forward), e.g. 1,64,4096 (default: SGLang's 1, 2, 4, 8, 16, "
                "24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096).")
-_OUT_HELP = ("Where to write the config files (default: $DSCTL_KERNEL_CONFIG_DIR, else the per-user config directory "
+OUT_HELP = ("Where to write the config files (default: $DSCTL_KERNEL_CONFIG_DIR, else the per-user config directory "
              "~/.config/dsctl/configs; both are searched by the engine before the shipped configs).")
 _VERIFY_HELP = ("Run the exhaustive search (SGLang's full grid) at these batch sizes and compare it with the "
                 "staged search's pick (e.g. 8,256,2048; slow). Alone: only the comparison; with --batch-sizes: "
@@ -60,7 +60,7 @@ def _options(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, 
     if grid not in ss.GRIDS:
         raise UsageError(f"--grid {grid!r}: choose one of {', '.join(ss.GRIDS)}")
     coarse, full = ss.GRIDS[grid]
-    opts = TuneOptions(batch_sizes=parse_batch_sizes(batch_sizes), out_dir=_out_dir(out_dir),
+    opts = TuneOptions(batch_sizes=parse_batch_sizes(batch_sizes), out_dir=resolve_out_dir(out_dir),
                        device_name=device_name, resume=resume, exhaustive=exhaustive, max_configs=max_configs,
                        time_limit=time_limit, workers=workers, coarse=coarse, full=full)
     if device == "cpu":  # Triton interpreter: timings mean nothing, keep the replays to a minimum
@@ -68,7 +68,7 @@ def _options(batch_sizes, out_dir, resume, exhaustive, max_configs, time_limit, 
     return opts
 
 
-def _out_dir(out_dir: Optional[Path]) -> Path:
+def resolve_out_dir(out_dir: Optional[Path]) -> Path:
     from kernels.tuned_configs import ENV_DIR, per_user_dir  # lazy: imports torch; keeps dsctl --help fast
 
     if out_dir is not None:
@@ -93,7 +93,7 @@ def _device(opts: "TuneFlags", command: str) -> tuple[Optional[str], str]:
                      f"(model {opts.model}, TP {opts.tp})")
 
 
-def _check_writable(out: Path) -> None:
+def check_writable(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".dsctl-write-test"
@@ -137,7 +137,7 @@ def _run(targets: list, opts, device: Optional[str], dry_run: bool, verify_sizes
         return
     from tuning.runner import make_precompiler  # lazy: imports torch; keeps dsctl --help fast
 
-    _check_writable(opts.out_dir)
+    check_writable(opts.out_dir)
     precompiler = None
     failed: list[str] = []
     try:
@@ -178,7 +178,7 @@ def _common(opts: "TuneFlags", device: Optional[str], device_name: str):
     return topts, verify_sizes
 
 
-_RESUME_HELP = "Skip the batch sizes a killed run already finished (read back from its progress / config file)."
+RESUME_HELP = "Skip the batch sizes a killed run already finished (read back from its progress / config file)."
 _DRY_HELP = "Print shapes, search-space sizes and an estimated time; no GPU needed."
 _EXH_HELP = "Time every config of the full grid (slow; the baseline for the fast search)."
 _MAXC_HELP = "Cap the configs of each search stage (faster, less thorough)."
@@ -186,8 +186,8 @@ _TIME_HELP = "Seconds; start no batch size after this, per shape (finish later w
 _WORKERS_HELP = "Processes compiling kernels in parallel (default 0: one per CPU core, up to 16)."
 _REPORT_HELP = "Also write <config file stem>.results.json (per batch size: default / tuned us, speed-up) here."
 _GRID_HELP = "Search space: staged (default) or tiny (a few configs, for tests and interpreter smoke runs)."
-_DEFAULT_MODEL = "deepseek-v3"
-_MODEL_HELP = ("Model whose shapes to tune: a registry alias (deepseek-v3, deepseek-r1, ...; see `dsctl models`) "
+DEFAULT_MODEL = "deepseek-v3"
+MODEL_HELP = ("Model whose shapes to tune: a registry alias (deepseek-v3, deepseek-r1, ...; see `dsctl models`) "
                "or a checkpoint directory.")
 _SEARCH = "Search options"
 
@@ -196,12 +196,12 @@ _SEARCH = "Search options"
 class TuneFlags:
     """The options tune-moe and tune-fp8 share."""
 
-    model: str = option(_DEFAULT_MODEL, _MODEL_HELP)
+    model: str = option(DEFAULT_MODEL, MODEL_HELP)
     tp: int = option(8, "Tensor-parallel size the model will be served with.")
     batch_sizes: Optional[str] = option(None, _BATCH_HELP)
-    out_dir: Optional[Path] = option(None, _OUT_HELP)
+    out_dir: Optional[Path] = option(None, OUT_HELP)
     dry_run: bool = option(False, _DRY_HELP)
-    resume: bool = option(False, _RESUME_HELP, panel=_SEARCH)
+    resume: bool = option(False, RESUME_HELP, panel=_SEARCH)
     exhaustive: bool = option(False, _EXH_HELP, panel=_SEARCH)
     verify_exhaustive: Optional[str] = option(None, _VERIFY_HELP, panel=_SEARCH)
     max_configs: Optional[int] = option(None, _MAXC_HELP, panel=_SEARCH)
@@ -218,7 +218,7 @@ def _announce(command: str, opts: TuneFlags, cfg, extra: str = "") -> None:
     entry = lookup(opts.model)
     name = f"{entry.alias} ({entry.repo_id or 'built in'})" if entry else str(opts.model)
     experts = f", {cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}" if cfg.n_routed_experts else ""
-    default = "; the default, pass --model to tune another" if opts.model == _DEFAULT_MODEL else ""
+    default = "; the default, pass --model to tune another" if opts.model == DEFAULT_MODEL else ""
     Console(highlight=False).print(f"{command}: {escape(name)}: {cfg.num_hidden_layers} layers, hidden "
                                    f"{cfg.hidden_size}{experts}, at TP {opts.tp}{extra}{default}")
 

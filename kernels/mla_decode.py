@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -42,6 +43,7 @@ import triton.language as tl
 
 from kernels.interpret import interpreting
 from kernels.pdl import launch_options, pdl_enter
+from kernels.tuned_configs import MLA_KV_NAMES, get_mla_decode_config
 
 _LOG2E = 1.4426950408889634
 
@@ -347,6 +349,38 @@ def default_config(num_q_rows_per_req: int, kv_dtype: torch.dtype) -> DecodeConf
                         min_split_tokens=128)
 
 
+def config_to_ints(cfg: DecodeConfig) -> dict:
+    """A DecodeConfig as the tuned table's integer keys (kernels/tuned_configs.py MLA_DECODE_KEYS)."""
+    if cfg.programs_per_sm != int(cfg.programs_per_sm):
+        raise ValueError(f"programs_per_sm must be whole to be stored, got {cfg.programs_per_sm}")
+    return dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                KV_LOAD=KV_LOADS[cfg.kv_load], FP16_MATH=int(cfg.fp16_math), MIN_SPLIT_TOKENS=cfg.min_split_tokens,
+                PROGRAMS_PER_SM=int(cfg.programs_per_sm))
+
+
+def config_from_ints(entry: dict) -> DecodeConfig:
+    """The DecodeConfig of a tuned table's entry (its other keys, such as FLASHINFER, ignored)."""
+    loads = {v: k for k, v in KV_LOADS.items()}
+    return DecodeConfig(block_h=entry["BLOCK_H"], block_n=entry["BLOCK_N"], num_warps=entry["num_warps"],
+                        num_stages=entry["num_stages"], kv_load=loads[entry["KV_LOAD"]],
+                        fp16_math=bool(entry["FP16_MATH"]), min_split_tokens=entry["MIN_SPLIT_TOKENS"],
+                        programs_per_sm=float(entry["PROGRAMS_PER_SM"]))
+
+
+def tuned_entry(num_q_rows_per_req: int, kv_dtype: torch.dtype, batch: int, device: torch.device) -> Optional[dict]:
+    """This GPU's MLA decode table entry for `batch` requests (`dsctl tune-mla`; None: no table)."""
+    if device.type != "cuda":
+        return None
+    return get_mla_decode_config(num_q_rows_per_req, MLA_KV_NAMES[kv_dtype], batch, device=device)
+
+
+def tuned_config(num_q_rows_per_req: int, kv_dtype: torch.dtype, batch: int, device: torch.device) -> DecodeConfig:
+    """The launch parameters for `batch` requests: this GPU's tuned table where there is one, else
+    `default_config`."""
+    entry = tuned_entry(num_q_rows_per_req, kv_dtype, batch, device)
+    return config_from_ints(entry) if entry is not None else default_config(num_q_rows_per_req, kv_dtype)
+
+
 def _default_splits(num_reqs: int, head_groups: int, max_ctx: int, cfg: DecodeConfig, device: torch.device) -> int:
     """Splits per request so that the stage-1 grid fills whole waves: floor, not ceil, since
     a few programs spilling into a second wave would double the time."""
@@ -390,7 +424,8 @@ def mla_decode(q_nope_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torc
     num_kv_splits caps the splits per request (None: chosen from batch size and SM
     count; with it given, splits are as small as one tile). kv_scale: python float
     or a 1-element tensor on the device (read in-kernel, no host sync). out: optional
-    preallocated [B*Q, H, Lkv] output (written in full). config.kv_load="fp8dot" (opt-in):
+    preallocated [B*Q, H, Lkv] output (written in full); config: the launch parameters (default: this GPU's
+    tuned table, `tuned_config`, else `default_config`). config.kv_load="fp8dot" (opt-in):
     on a float8_e4m3fn cache, q.k as FP8 dots on per-row e4m3-quantised queries; a
     float8_e5m2 cache silently runs "split" instead, a 16/32-bit cache "tile" (KV_LOADS).
     """
@@ -409,7 +444,7 @@ def mla_decode(q_nope_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torc
     if rows == 0:
         return out
 
-    cfg = config or default_config(num_heads * q_per_req, kv.dtype)
+    cfg = config or tuned_config(num_heads * q_per_req, kv.dtype, num_reqs, kv.device)
     head_groups = triton.cdiv(num_heads * q_per_req, cfg.block_h)
     if num_kv_splits is None:
         max_splits = _default_splits(num_reqs, head_groups, req_to_token.shape[1], cfg, q_nope_latent.device)

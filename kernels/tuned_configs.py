@@ -5,6 +5,10 @@ Files (JSON: {"<batch size M>": {"BLOCK_SIZE_M": .., "BLOCK_SIZE_N": .., "BLOCK_
   fused MoE:   E={E},N={N},device_name={GPU},dtype={fp8_w8a8|w4afp8|bf16},block_shape=[128, 128].json
                (the block_shape part only for block-FP8 weights: a bf16 or w4afp8 file ends at dtype=...)
   block GEMM:  N={N},K={K},device_name={GPU},dtype=fp8_w8a8,block_shape=[128, 128].json
+  MLA decode:  MLA_DECODE,H={query rows per request: heads x query tokens},kv_dtype={bf16|fp16|fp32|fp8_e4m3|
+               fp8_e5m2},device_name={GPU}.json, keyed by requests per decode step, with the keys of
+               `MLA_DECODE_KEYS` (kernels/mla_decode.py `DecodeConfig` as ints) and optionally FLASHINFER (1:
+               FlashInfer's MLA decode measured faster at that batch size, where it is installed)
 GPU names are torch's device name with spaces -> underscores (NVIDIA_H100_80GB_HBM3, NVIDIA_H200).
 Optional keys: QUANT_A (the GEMM quantises its own activation tiles), <KEY>_DOWN (fused MoE:
 <KEY> for the down-projection GEMM only), CUBLAS (block GEMM: cuBLASLt's block-scaled FP8
@@ -21,7 +25,7 @@ of that flag, resolved by the engine (platformdirs itself honours XDG_CONFIG_HOM
 the tuned M nearest the actual one (ties: the smaller), except beyond twice the largest tuned M (a
 search its time limit stopped early), where the default config is used: a small-M tile says little about a prefill-sized GEMM.
 With no file, defaults are used and a warning naming the `dsctl tune-moe` /
-`dsctl tune-fp8` command that would write it is logged once. `dsctl tune-*` (tuning/)
+`dsctl tune-fp8` / `dsctl tune-mla` command that would write it is logged once. `dsctl tune-*` (tuning/)
 writes files with `save_configs`.
 """
 
@@ -42,7 +46,8 @@ ENV_DIR = "DSCTL_KERNEL_CONFIG_DIR"  # the user-facing default of --kernel-confi
 SHIPPED_DIR = Path(__file__).resolve().parent / "configs"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 _warned: set[str] = set()
-_memo: dict[tuple, dict] = {}
+_memo: dict[tuple, Optional[dict]] = {}
+_MISSING = object()  # a look-up not memoised yet (None is a memoised "no tuned entry")
 _registered: dict[str, Optional[Path]] = {"user_dir": None}  # set_user_config_dir's directory
 
 Device = Union[torch.device, str, None]
@@ -82,6 +87,17 @@ def moe_config_filename(E: int, N: int, device: str, dtype: str, block_shape=(12
 
 def fp8_gemm_config_filename(N: int, K: int, device: str, block_shape=(128, 128)) -> str:
     return f"N={N},K={K},device_name={normalize_device_name(device)},dtype=fp8_w8a8{_block_part(block_shape)}.json"
+
+
+MLA_DECODE_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "KV_LOAD", "FP16_MATH", "MIN_SPLIT_TOKENS",
+                   "PROGRAMS_PER_SM")
+MLA_KV_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+
+
+def mla_decode_config_filename(rows: int, kv_dtype: str, device: str) -> str:
+    """rows: query rows per request (heads per rank x query tokens); kv_dtype: a name of MLA_KV_NAMES."""
+    return f"MLA_DECODE,H={rows},kv_dtype={kv_dtype},device_name={normalize_device_name(device)}.json"
 
 
 def per_user_dir() -> Path:
@@ -209,12 +225,12 @@ def _memoised(fn):
     def wrapper(*args, **kwargs):
         key = (fn.__name__, args, tuple(sorted(kwargs.items())), user_config_dir())
         try:
-            hit = _memo.get(key)
+            hit = _memo.get(key, _MISSING)
         except TypeError:  # unhashable argument: no memo
             return fn(*args, **kwargs)
-        if hit is None:
+        if hit is _MISSING:
             hit = _memo[key] = fn(*args, **kwargs)
-        return dict(hit)
+        return None if hit is None else dict(hit)
     return wrapper
 
 
@@ -246,3 +262,18 @@ def get_fp8_gemm_config(N: int, K: int, M: int, device: Device = None,
     if name != "cpu":
         _warn_once(fname, "dsctl tune-fp8 --model <model> --tp <tp>", user_dir)
     return default_fp8_gemm_config(M, N, K)
+
+
+@_memoised
+def get_mla_decode_config(rows: int, kv_dtype: str, batch: int, device: Device = None,
+                          device_name_override: Optional[str] = None, user_dir=None) -> Optional[dict]:
+    """The MLA decode table's entry for `batch` requests (the nearest tuned batch size; None beyond twice the
+    largest, or without a file: the kernel's built-in default then)."""
+    name = device_name_override or device_name(device)
+    fname = mla_decode_config_filename(rows, kv_dtype, name)
+    path = find_config_file(fname, user_dir)
+    if path is not None:
+        return tuned_or_default(load_configs(path), batch, lambda: None)
+    if name != "cpu":
+        _warn_once(fname, "dsctl tune-mla --model <model> --tp <tp>", user_dir)
+    return None

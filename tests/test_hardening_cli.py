@@ -58,10 +58,10 @@ def test_tuned_configs_default_to_the_per_user_directory(tmp_path, monkeypatch):
     monkeypatch.delenv(tc.ENV_DIR, raising=False)
     mine = tmp_path / "xdg" / "dsctl" / "configs"
     assert tc.per_user_dir() == mine
-    assert cmd_tune._out_dir(None) == mine  # the default output: not the source tree
-    assert not str(cmd_tune._out_dir(None)).startswith(str(tc.SHIPPED_DIR.parent))
+    assert cmd_tune.resolve_out_dir(None) == mine  # the default output: not the source tree
+    assert not str(cmd_tune.resolve_out_dir(None)).startswith(str(tc.SHIPPED_DIR.parent))
     monkeypatch.setenv(tc.ENV_DIR, str(tmp_path / "env"))
-    assert cmd_tune._out_dir(None) == tmp_path / "env"
+    assert cmd_tune.resolve_out_dir(None) == tmp_path / "env"
     # The look-up: an explicit directory, then the per-user one (once it exists), then the shipped configs.
     assert tc.config_dirs() == [tc.SHIPPED_DIR]
     name = tc.fp8_gemm_config_filename(640, 320, "Fake_GPU")

@@ -2,7 +2,8 @@
 
 Extend and decode both run the absorbed formulation through FlashInfer's
 `BatchMLAPagedAttentionWrapper` (with `decode_only`, the 'flashinfer-decode' backend, only decode
-steps do; every other forward runs the Triton backend's extend, which at DeepSeek's 128 heads
+steps do, and not those whose batch size this GPU's tuned MLA decode table gives the Triton kernel;
+every other forward runs the Triton backend's extend, which at DeepSeek's 128 heads
 attends prefills in the expanded form at a third of the absorbed form's FLOPs): the query is
 folded into latent space with W_UK (the FP8 bmm when the weights are FP8), attention reads the
 paged latent cache in place (page size 1: one KV-pool slot per page; the pool's [slot, 576] rows are
@@ -32,6 +33,7 @@ from engine.forward_batch import ForwardBatch
 from engine.model.attention import MLA
 from engine.model.attention_triton import TritonAttentionBackend, absorbed_query, latent_to_values
 from engine.model.context import ForwardContext
+from kernels.mla_decode import tuned_entry
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +119,7 @@ class FlashInferAttentionBackend:
         if fb.batch_size == 0:
             self.active = None
             return
-        if self.decode_only and not fb.mode.is_decode:
+        if self.decode_only and not (fb.mode.is_decode and self.decodes_at(graph_bs or fb.batch_size)):
             self.active = None
             self.fallback.begin_forward(fb, ctx)
             return
@@ -130,6 +132,15 @@ class FlashInferAttentionBackend:
         if self.device.type == "cuda":
             self._plan_copied = self._plan_copied or torch.cuda.Event()
             self._plan_copied.record()
+
+    def decodes_at(self, batch: int) -> bool:
+        """Whether FlashInfer runs a decode step of `batch` requests: yes, unless this GPU's tuned MLA decode table
+        (`dsctl tune-mla`) measured the Triton kernel faster at that batch size (then the Triton backend decodes,
+        with the table's launch parameters). Always yes for the full 'flashinfer' backend."""
+        if not self.decode_only:
+            return True
+        entry = tuned_entry(self.num_heads, self.kv_dtype, batch, self.device)
+        return entry is None or bool(entry.get("FLASHINFER", 1))
 
     def _plan(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: Optional[int]) -> None:
         wrapper = self.eager if graph_bs is None else self._graph_wrapper(graph_bs)
@@ -227,4 +238,6 @@ class FlashInferAttentionBackend:
 
     @torch.compiler.disable
     def decode(self, layer: MLA, q_nope, q_pe, fb: ForwardBatch, ctx: ForwardContext):
+        if self.active is None:  # flashinfer-decode at a batch size the tuned table gives the Triton kernel
+            return self.fallback.decode(layer, q_nope, q_pe, fb, ctx)
         return self._run(layer, q_nope, q_pe, ctx)

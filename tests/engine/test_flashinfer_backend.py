@@ -123,3 +123,41 @@ def test_decode_only_runs_extends_on_triton(monkeypatch):
     assert any(not d for d, _, _ in modes) and any(d for d, _, _ in modes)
     assert all(plans == (1 if decode else 0) and fallback == (not decode) for decode, plans, fallback in modes)
     _assert_same(ref, got)
+
+
+def test_decode_only_leaves_the_batch_sizes_a_tuned_table_gives_triton(monkeypatch):
+    """'flashinfer-decode' with this GPU's MLA decode table (`dsctl tune-mla`) saying the Triton kernel is faster at
+    one request: those decode steps run the Triton backend (no FlashInfer plan), the others FlashInfer; outputs equal
+    the torch reference's. The full 'flashinfer' backend ignores the table."""
+    kw = dict(model="tiny", device="cpu", dtype="float32", attention_backend="torch", moe_backend="torch")
+    prompts = [[5, 9, 11, 2], [7, 1], [3, 4, 8]]
+
+    def rounds(eng):
+        return _generate(eng, prompts, n=4) + _generate(eng, prompts[:1], n=4)
+
+    ref = rounds(Engine(**kw))
+    fake_flashinfer.install(monkeypatch)
+    eng = Engine(**kw)
+    r, cfg = eng.runner, eng.runner.config
+    backend = fi.FlashInferAttentionBackend(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                                            cfg.softmax_scale, torch.float32, torch.float32, 1.0, r.device,
+                                            r.req_to_token.table.shape[1], decode_only=True)
+    r.forward_ctx.attn_backend = backend
+    monkeypatch.setattr(fi, "tuned_entry", lambda rows, kv, batch, device: {"FLASHINFER": int(batch > 1)})
+    steps = []
+    plan = backend.begin_forward
+
+    def begin_forward(fb, ctx, graph_bs=None):
+        before = fake_flashinfer.BatchMLAPagedAttentionWrapper.plans
+        plan(fb, ctx, graph_bs)
+        if fb.mode.is_decode:
+            steps.append((fb.batch_size, fake_flashinfer.BatchMLAPagedAttentionWrapper.plans - before))
+
+    monkeypatch.setattr(backend, "begin_forward", begin_forward)
+    got = rounds(eng)
+    assert {bs for bs, _ in steps} == {1, 3}
+    assert all(plans == (0 if bs == 1 else 1) for bs, plans in steps)
+    _assert_same(ref, got)
+    assert backend.decodes_at(1) is False and backend.decodes_at(8) is True
+    backend.decode_only = False
+    assert backend.decodes_at(1) is True
