@@ -20,25 +20,12 @@ from rich.table import Table
 
 from dsctl.cmd_tune import DEFAULT_MODEL, MODEL_HELP, OUT_HELP, RESUME_HELP, check_writable, resolve_out_dir
 from dsctl.tables import print_fitting
-from engine.errors import UsageError
 from kernels.interpret import interpreting
 from tuning.errors import NoGpuError
 
 _BATCH_HELP = "Comma-separated decode batch sizes (requests per step) (default: 1, 2, 4, ..., 256)."
 _CTX_HELP = "Comma-separated context lengths each candidate is timed at; its score is their geometric mean."
 _KV_HELP = "KV-cache dtypes to tune, comma-separated: bf16, fp16, fp8_e4m3 (one table each)."
-
-
-def _ints(text: Optional[str], default: tuple[int, ...], flag: str) -> list[int]:
-    if not text:
-        return list(default)
-    try:
-        values = sorted({int(v) for v in text.replace(" ", "").split(",") if v})
-    except ValueError:
-        raise UsageError(f"{flag} {text!r}: expected comma-separated integers") from None
-    if not values or values[0] < 1:
-        raise UsageError(f"{flag} {text!r}: values must be >= 1")
-    return values
 
 
 def _device(dry_run: bool) -> tuple[Optional[str], str]:
@@ -97,12 +84,12 @@ def tune_mla(
     import torch  # lazy: keeps dsctl --help fast
 
     from tuning import mla_decode as tm  # lazy: imports torch
-    from tuning.shapes import load_model_config  # lazy: imports torch
+    from tuning.shapes import load_model_config, parse_batch_sizes  # lazy: imports torch
 
     cfg = load_model_config(model)
     shapes = [tm.mla_shape(cfg, tp, dp, kv.strip()) for kv in kv_cache_dtype.split(",") if kv.strip()]
-    batches = _ints(batch_sizes, tm.DEFAULT_BATCH_SIZES, "--batch-sizes")
-    ctxs = tuple(_ints(contexts, tm.DEFAULT_CONTEXTS, "--contexts"))
+    batches = parse_batch_sizes(batch_sizes, tm.DEFAULT_BATCH_SIZES)
+    ctxs = tuple(parse_batch_sizes(contexts, tm.DEFAULT_CONTEXTS, "--contexts", "context lengths"))
     out = resolve_out_dir(out_dir)
     console = Console(highlight=False)
     console.print(f"tune-mla: {model}, TP {tp}, DP {dp}: {shapes[0].heads} heads per rank; batch sizes "

@@ -189,14 +189,16 @@ def gemm_shapes(cfg: ModelConfig, tp: int = 1, layers: Optional[list[str]] = Non
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 
 
-def parse_batch_sizes(text: Optional[str]) -> list[int]:
-    """'1,2,4' -> [1, 2, 4] (sorted, unique); None -> the default list (SGLang's)."""
+def parse_batch_sizes(text: Optional[str], default=DEFAULT_BATCH_SIZES, flag: str = "--batch-sizes",
+                      what: str = "batch sizes") -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (sorted, unique); None -> the default list (SGLang's batch sizes). Other positive
+    integer lists of a flag likewise (`flag` and `what` name them in the errors)."""
     if not text:
-        return list(DEFAULT_BATCH_SIZES)
+        return list(default)
     try:
         values = sorted({int(v) for v in text.replace(" ", "").split(",") if v})
     except ValueError:
-        raise UsageError(f"--batch-sizes {text!r}: expected comma-separated integers such as 1,2,4,8") from None
+        raise UsageError(f"{flag} {text!r}: expected comma-separated integers such as 1,2,4,8") from None
     if not values or values[0] < 1:
-        raise UsageError(f"--batch-sizes {text!r}: batch sizes must be >= 1")
+        raise UsageError(f"{flag} {text!r}: {what} must be >= 1")
     return values

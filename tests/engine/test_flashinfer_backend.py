@@ -81,14 +81,20 @@ def _fake_backend_engine(monkeypatch, **backend_kw):
     tests/engine/fake_flashinfer.py (float32, tiny)."""
     kw = dict(model="tiny", device="cpu", dtype="float32", attention_backend="torch", moe_backend="torch")
     ref = _rounds(Engine(**kw))
+    eng, backend = _fake_engine(monkeypatch, kw, **backend_kw)
+    return ref, eng, backend
+
+
+def _fake_engine(monkeypatch, engine_kw: dict, **backend_kw):
+    """An engine whose attention is the FlashInfer backend over tests/engine/fake_flashinfer.py, and that backend."""
     fake_flashinfer.install(monkeypatch)
-    eng = Engine(**kw)
+    eng = Engine(**engine_kw)
     r, cfg = eng.runner, eng.runner.config
     backend = fi.FlashInferAttentionBackend(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                                             cfg.softmax_scale, torch.float32, torch.float32, 1.0, r.device,
                                             r.req_to_token.table.shape[1], **backend_kw)
     r.forward_ctx.attn_backend = backend
-    return ref, eng, backend
+    return eng, backend
 
 
 def _assert_same(ref, got) -> None:
@@ -136,13 +142,7 @@ def test_decode_only_leaves_the_batch_sizes_a_tuned_table_gives_triton(monkeypat
         return _generate(eng, prompts, n=4) + _generate(eng, prompts[:1], n=4)
 
     ref = rounds(Engine(**kw))
-    fake_flashinfer.install(monkeypatch)
-    eng = Engine(**kw)
-    r, cfg = eng.runner, eng.runner.config
-    backend = fi.FlashInferAttentionBackend(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                            cfg.softmax_scale, torch.float32, torch.float32, 1.0, r.device,
-                                            r.req_to_token.table.shape[1], decode_only=True)
-    r.forward_ctx.attn_backend = backend
+    eng, backend = _fake_engine(monkeypatch, kw, decode_only=True)
     monkeypatch.setattr(fi, "tuned_entry", lambda rows, kv, batch, device: {"FLASHINFER": int(batch > 1)})
     steps = []
     plan = backend.begin_forward

@@ -146,4 +146,6 @@ def test_cli_dry_run_and_errors(tmp_path):
     res = _invoke("tune-mla", "--dry-run", "--tp", "8", "--dp", "3")
     assert isinstance(res.exception, UsageError) and "--dp 3 must divide --tp 8" in str(res.exception)
     res = _invoke("tune-mla", "--dry-run", "--batch-sizes", "0,4")
-    assert isinstance(res.exception, UsageError) and "values must be >= 1" in str(res.exception)
+    assert isinstance(res.exception, UsageError) and "batch sizes must be >= 1" in str(res.exception)
+    res = _invoke("tune-mla", "--dry-run", "--contexts", "1k")
+    assert isinstance(res.exception, UsageError) and "--contexts '1k': expected" in str(res.exception)
