@@ -11,6 +11,7 @@ tuning/mla_decode.py.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Optional
 
@@ -43,8 +44,6 @@ def _device(dry_run: bool) -> tuple[Optional[str], str]:
 
 
 def _flashinfer_installed(device: Optional[str]) -> bool:
-    import importlib.util
-
     return device == "cuda" and importlib.util.find_spec("flashinfer") is not None
 
 

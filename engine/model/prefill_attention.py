@@ -21,6 +21,7 @@ consecutive requests [r0, r1) of the forward batch.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
@@ -178,8 +179,6 @@ def _ragged(new: torch.Tensor, prefix: torch.Tensor, g: _RaggedGroup) -> torch.T
 def flashinfer_prefill_unavailable(head_dims: tuple[int, int], dtype: torch.dtype,
                                    device: torch.device) -> Optional[str]:
     """Why FlashInfer's prefill cannot run here (None: it can)."""
-    import importlib.util
-
     if device.type != "cuda":
         return "FlashInfer needs a CUDA GPU"
     if importlib.util.find_spec("flashinfer") is None:
