@@ -140,7 +140,7 @@ class FlashInferPrefill:
         while len(self.wrappers) < len(groups):
             self.wrappers.append(self._wrapper_cls(self.workspace, kv_layout="NHD"))
         ragged = [self._plan_group(self.wrappers[i], *group_lens(fb, g)) for i, g in enumerate(groups)]
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and any(r.wrapper is not None for r in ragged):
             self._plan_copied = self._plan_copied or torch.cuda.Event()
             self._plan_copied.record()
         return PrefillPlan(fb, groups, ragged)
@@ -159,6 +159,7 @@ class FlashInferPrefill:
                             to_device(prefix_rows, self.device))
 
     def attend(self, plan: PrefillPlan, i: int, q, k, v, k_prefix, v_prefix, scale: float, out: torch.Tensor) -> None:
+        """As TritonPrefill.attend; the softmax scale is the one planned with (the model's, every layer's)."""
         g = plan.ragged[i]
         if g.wrapper is None:
             return self.small.attend(plan, i, q, k, v, k_prefix, v_prefix, scale, out)
