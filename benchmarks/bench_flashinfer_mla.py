@@ -41,25 +41,15 @@ from bench_mla import (  # noqa: E402
 )
 
 from kernels.mla_decode import default_config, mla_decode_ref  # noqa: E402
+from tuning.mla_decode import flashinfer_decode_fn  # noqa: E402
 
 FI_BACKENDS = ("fa2", "fa3")
 
 
 def flashinfer_fn(case: DecodeCase, q, q_pe, kv_dtype, backend: str, workspace: torch.Tensor, out: torch.Tensor):
     """Plan a FlashInfer MLA wrapper for the case; return the run closure (capturable)."""
-    from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
-
     kv, scale = case.cache(kv_dtype)
-    b, ctx = case.batch, case.ctx
-    i32 = dict(dtype=torch.int32)
-    meta = MLAPlanMetadata.csr(torch.arange(b + 1, **i32), torch.arange(b + 1, **i32) * ctx,
-                               case.table.flatten().contiguous(), torch.full((b,), ctx, **i32))
-    wrapper = BatchMLAPagedAttentionWrapper(workspace, backend=backend)
-    wrapper.plan(metadata=meta, num_heads=q.shape[1], head_dim_ckv=LKV, head_dim_kpe=ROPE, page_size=1,
-                 causal=False, sm_scale=SM_SCALE, q_data_type=q.dtype, kv_data_type=kv.dtype,
-                 query_layout="split", kv_cache_layout="packed")
-    scales = dict(ckv_scale=scale, kpe_scale=scale) if kv.dtype == FP8 else {}
-    return lambda: wrapper.run(query=(q, q_pe), kv_cache=kv, out=out, **scales)
+    return flashinfer_decode_fn(workspace, q, q_pe, kv, scale, case.table, SM_SCALE, out, backend=backend)
 
 
 def run_case(case: DecodeCase, heads: int, kv_dtype, workspace) -> dict:

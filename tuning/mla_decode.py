@@ -138,19 +138,30 @@ class DecodeProblem:
 
     def flashinfer(self, workspace: torch.Tensor) -> Callable[[], torch.Tensor]:
         """FlashInfer's MLA decode on the same problem (planned now, as the engine plans before a graph replay)."""
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata  # lazy: CUDA-only dependency
+        s = self.shape
+        return flashinfer_decode_fn(workspace, self.q, self.q_pe, self.cache, self.scale, self.table, s.sm_scale,
+                                    self.out)
 
-        s, b, ctx = self.shape, self.batch, self.ctx
-        i32 = dict(dtype=torch.int32, device=self.q.device)
-        meta = MLAPlanMetadata.csr(torch.arange(b + 1, **i32), torch.arange(b + 1, **i32) * ctx,
-                                   self.table.flatten().contiguous(), torch.full((b,), ctx, **i32))
-        wrapper = BatchMLAPagedAttentionWrapper(workspace)
-        wrapper.plan(metadata=meta, num_heads=s.heads, head_dim_ckv=s.kv_lora_rank, head_dim_kpe=s.rope_dim,
-                     page_size=1, causal=False, sm_scale=s.sm_scale, q_data_type=self.q.dtype,
-                     kv_data_type=self.cache.dtype, query_layout="split", kv_cache_layout="packed")
-        scales = dict(ckv_scale=self.scale, kpe_scale=self.scale) if s.kv_dtype.itemsize == 1 else {}
-        cache = self.cache.unsqueeze(1)
-        return lambda: wrapper.run(query=(self.q, self.q_pe), kv_cache=cache, out=self.out, **scales)
+
+def flashinfer_decode_fn(workspace: torch.Tensor, q: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                         kv_scale: float, table: torch.Tensor, sm_scale: float, out: torch.Tensor,
+                         backend: str = "auto") -> Callable[[], torch.Tensor]:
+    """FlashInfer's MLA decode (`backend`: auto, fa2, fa3) of q / q_pe [B, H, kv_lora | rope] over the latent
+    cache rows [slots, (1,) kv_lora + rope], every request reading all ctx slots of its row of table [B, ctx]:
+    the wrapper planned now, the returned closure runs it (capturable in a CUDA graph)."""
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata  # lazy: CUDA-only dependency
+
+    b, ctx = table.shape
+    i32 = dict(dtype=torch.int32)  # the lengths on the host, as the engine plans (the page indices on the GPU)
+    meta = MLAPlanMetadata.csr(torch.arange(b + 1, **i32), torch.arange(b + 1, **i32) * ctx,
+                               table.flatten().contiguous(), torch.full((b,), ctx, **i32))
+    wrapper = BatchMLAPagedAttentionWrapper(workspace, backend=backend)
+    cache = cache.reshape(cache.shape[0], 1, -1)
+    wrapper.plan(metadata=meta, num_heads=q.shape[1], head_dim_ckv=q.shape[2], head_dim_kpe=q_pe.shape[2],
+                 page_size=1, causal=False, sm_scale=sm_scale, q_data_type=q.dtype, kv_data_type=cache.dtype,
+                 query_layout="split", kv_cache_layout="packed")
+    scales = dict(ckv_scale=kv_scale, kpe_scale=kv_scale) if cache.dtype.itemsize == 1 else {}
+    return lambda: wrapper.run(query=(q, q_pe), kv_cache=cache, out=out, **scales)
 
 
 def graph_time_us(fn: Callable[[], object], reps: int = 20) -> float:

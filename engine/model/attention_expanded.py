@@ -115,7 +115,8 @@ class TritonExpandedAttention(ExpandedAttentionBackend):
                 r1 += 1
             self.groups.append((r, r1, t, t1))
             r, t = r1, t1
-        self.prefill_plan = self.prefill.plan(fb, [PrefillGroup(r0, r1) for r0, r1, _, _ in self.groups])
+        self.prefill_plan = self.prefill.plan(fb, [PrefillGroup(r0, r1, max(fb.extend_lens_cpu[r0:r1]))
+                                                   for r0, r1, _, _ in self.groups])
 
     @torch.compiler.disable
     def attend(self, layer: MLA, q, k, v, fb: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:

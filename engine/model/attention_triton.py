@@ -141,7 +141,7 @@ class TritonAttentionBackend:
         """Extend batches: plan the runs, and the expanded runs' prefill, once for every layer (decode reads
         lengths from device tensors)."""
         self.runs = [] if fb.mode.is_decode else plan_extend(fb, ctx.req_to_token.table, self.prefix_token_budget)
-        expanded = [PrefillGroup(r.r0, r.r1) for r in self.runs if isinstance(r, ExpandedRun)]
+        expanded = [PrefillGroup(r.r0, r.r1, r.max_extend) for r in self.runs if isinstance(r, ExpandedRun)]
         self.prefill_plan = self.prefill.plan(fb, expanded) if expanded else None
 
     @torch.compiler.disable

@@ -297,7 +297,7 @@ def torch_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToToke
 def triton_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool, prefill=None):
     per_token = setup.local_heads * sum(prefill_head_dims(setup))
     backend = TritonExpandedAttention if setup.expanded_kv else TritonAttentionBackend
-    return backend(per_token * setup.dtype.itemsize, prefill=prefill or TritonPrefill())
+    return backend(per_token * setup.dtype.itemsize, prefill=prefill)
 
 
 def flashinfer_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool, prefill=None,
@@ -306,8 +306,7 @@ def flashinfer_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqT
     return FlashInferAttentionBackend(
         setup.local_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, setup.dtype,
         kv_pool.dtype, kv_pool.scale, setup.device, req_to_token.table.shape[1],
-        max_graph_bs=max(setup.graph_batch_sizes, default=0), decode_only=decode_only,
-        prefill=prefill or TritonPrefill())
+        max_graph_bs=max(setup.graph_batch_sizes, default=0), decode_only=decode_only, prefill=prefill)
 
 
 def flashinfer_decode_attention(setup: KernelSetup, kv_pool: KVPool, req_to_token: ReqToTokenPool, prefill=None):

@@ -41,6 +41,7 @@ class PrefillGroup:
 
     r0: int
     r1: int
+    max_extend: int  # the most new tokens of one of its requests
 
 
 def group_lens(fb: ForwardBatch, group: PrefillGroup) -> tuple[list[int], list[int]]:
@@ -72,7 +73,7 @@ class TritonPrefill:
         requests' prefixes concatenated (empty: none); writes out [T, H, v]."""
         g, fb = plan.groups[i], plan.fb
         extend_attention(q, k, v, k_prefix, v_prefix, fb.extend_lens[g.r0:g.r1], fb.prefix_lens[g.r0:g.r1], scale,
-                         max_extend_len=max(fb.extend_lens_cpu[g.r0:g.r1]), out=out)
+                         max_extend_len=g.max_extend, out=out)
 
 
 class TorchPrefill(TritonPrefill):
