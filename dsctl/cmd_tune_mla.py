@@ -12,6 +12,7 @@ tuning/mla_decode.py.
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -56,7 +57,9 @@ def _report(results: list, shape, console: Console) -> None:
         for r in results:
             c = r.config
             fi = f"{r.flashinfer_us:.1f}{' (faster)' if r.flashinfer_faster else ''}" if r.flashinfer_us else "-"
-            cells = [str(r.batch), f"{r.tuned_us:.1f}", f"{r.default_us:.1f}", f"{r.default_us / r.tuned_us:.2f}x", fi]
+            default_ok = math.isfinite(r.default_us)  # inf: the default failed its check or did not run
+            cells = [str(r.batch), f"{r.tuned_us:.1f}", f"{r.default_us:.1f}" if default_ok else "skipped",
+                     f"{r.default_us / r.tuned_us:.2f}x" if default_ok else "-", fi]
             if with_config:
                 cells.append(f"h{c.block_h} n{c.block_n} w{c.num_warps} s{c.num_stages} {c.kv_load}"
                              f"{' fp16' if c.fp16_math else ''} split {c.programs_per_sm:g}/SM >={c.min_split_tokens}")

@@ -73,7 +73,12 @@ _LOG2E = 1.4426950408889634
 #             scale 0.06 (8% at a sharp 0.3), against 0.3-0.5% for "split"; 0.5-0.8x of
 #             what the cache's own e4m3 quantisation costs (tests/kernels/test_mla_decode.py).
 # (Measured on H100 and dropped, see docs/perf.md: FP8 read as 32-bit words and
-# upcast with inline PTX, alone or for V only; both were slower than "split".)
+# upcast with inline PTX, alone or for V only; both were slower than "split". Measured on
+# H200 and dropped, 16 heads (docs/perf.md, issue 40): V, or the whole tile feeding both
+# dots, read as 32-bit words and upcast with shifts and bitcasts before Triton lays it out
+# for the dots, so that p.V reads a 16-bit tile with ldmatrix.trans instead of one byte per
+# shared-memory load (102 shared loads per thread per tile against 222, 176-184 registers
+# against 235): 1.12-1.21x "split"'s time for V alone, 1.23-1.52x for the whole tile.)
 # At 128 heads (64-row head groups, 8 warps) Triton 3.6 treats q.k as a dot chained into p.V and
 # gives it all 8 warps along its 64 rows, so both warpgroups compute the same q.k (74 wgmma
 # instructions per tile instead of 38); the 64 x 512 fp32 accumulator holds 255 registers. Measured

@@ -65,3 +65,23 @@ def test_v2_decode_configs_shipped(tp):
 def test_h200_every_block_fp8_gemm_config_shipped():
     for shape in gemm_shapes(load_model_config("deepseek-v3"), tp=1):
         _check(SHIPPED / shape.filename(H200), largest_m=64)
+
+
+@pytest.mark.parametrize("tp,dp", [(8, 1), (8, 8)])
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+def test_h200_mla_decode_tables_shipped(tp, dp, kv):
+    """`dsctl tune-mla --model deepseek-v3 --tp 8 [--dp 8]` on an H200: 16 heads per rank (TP 8) and 128 (DP attention,
+    or one GPU), bf16 and e4m3 caches, decode batches 1-256; every entry a launch config the kernel reads back."""
+    from kernels.mla_decode import KV_LOADS, config_from_ints
+    from kernels.tuned_configs import MLA_DECODE_KEYS
+    from tuning.mla_decode import mla_shape
+
+    shape = mla_shape(load_model_config("deepseek-v3"), tp, dp, kv)
+    path = SHIPPED / shape.filename(H200)
+    assert path.is_file(), f"missing {path.name}"
+    table = load_configs(path)
+    assert sorted(table) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    for entry in table.values():
+        assert set(MLA_DECODE_KEYS) <= set(entry) and entry["FLASHINFER"] in (0, 1)
+        cfg = config_from_ints(entry)
+        assert cfg.kv_load in KV_LOADS and cfg.block_h in (16, 32, 64)

@@ -117,14 +117,30 @@ def test_a_wrong_candidate_is_rejected(monkeypatch):
     assert result.config.block_n == base.block_n and any("error 1.00e+00" in r for r in result.rejected)
 
 
+def test_fp8dot_is_held_to_what_the_fp8_cache_itself_costs():
+    """fp8dot rounds the queries to e4m3 too: the check bounds its error by the FP8 cache's own rounding error on the
+    same problem (scores as sharp as V3's: std about 3), so the engine's default at 64+ rows passes, and a 16-bit
+    path keeps the absolute bound."""
+    shape = tm.MlaShape(heads=64, kv_lora_rank=64, rope_dim=16, kv_dtype=torch.float8_e4m3fn, sm_scale=0.36)
+    tuner = tm.MlaTuner(shape, torch.device("cpu"), contexts=(64,), timer=lambda fn: 1.0, log=lambda line: None)
+    fp8dot = default_config(shape.rows, shape.kv_dtype)
+    assert fp8dot.kv_load == "fp8dot"
+    bound = tuner.bound(fp8dot)
+    assert 0.01 < tuner.check_cache_error < 0.2 and bound == pytest.approx(tm.FP8DOT_ERR_RATIO * tuner.check_cache_error)
+    split = replace(fp8dot, kv_load="split")
+    assert tuner.bound(split) == tm.ERR_BOUND["split"]
+    err_fp8dot, err_split = tuner.check.error(fp8dot), tuner.check.error(split)
+    assert err_split < 0.01 < err_fp8dot <= bound  # the queries' rounding is counted, and within the bound
+
+
 def test_the_engine_reads_the_table(tmp_path):
     """The look-up the decode kernel and the flashinfer-decode backend make: nearest tuned batch size; none beyond
     twice the largest, or without a file."""
     cfg = replace(default_config(16, torch.bfloat16), block_n=16, num_stages=2)
-    tc.save_configs(tmp_path / tc.mla_decode_config_filename(16, "bf16", "NVIDIA H200"),
+    tc.save_configs(tmp_path / tc.mla_decode_config_filename(16, "bf16", "Test GPU"),  # a GPU with no shipped table
                     {1: config_to_ints(cfg), 64: {**config_to_ints(default_config(16, torch.bfloat16)), "FLASHINFER": 1}})
     tc.clear_config_cache()
-    look = dict(device_name_override="NVIDIA_H200", user_dir=str(tmp_path))
+    look = dict(device_name_override="Test_GPU", user_dir=str(tmp_path))
     assert config_from_ints(tc.get_mla_decode_config(16, "bf16", 2, **look)) == cfg
     assert tc.get_mla_decode_config(16, "bf16", 40, **look)["FLASHINFER"] == 1
     assert tc.get_mla_decode_config(16, "bf16", 129, **look) is None  # beyond 2 x 64
