@@ -3,8 +3,9 @@
 For each batch size and prompt/output length: one untimed warm-up run of exactly
 that shape (first-use compilation, autotuning and CUDA-graph replays happen
 there), then `repeats` timed runs. A run prefills `input_len` random tokens per
-request, then decodes `output_len - 1` steps greedily, timing each forward with a
-device sync. Reports medians with their spread (prefill min-max over repeats,
+request in the forwards the server's scheduler would step them in (at most the step
+budget of new tokens each: --max-prefill-tokens, --chunked-prefill-size), then decodes
+`output_len - 1` steps greedily, timing each with a device sync. Reports medians with their spread (prefill min-max over repeats,
 decode p10-p90 over every step), as a rich table that fits the terminal and as
 JSON lines. `--profile` writes a torch profiler trace of one extra run per shape.
 The timing itself is dsctl/bench_one_batch_timing.py. With --tp N (and DP attention or EP) the
@@ -131,7 +132,12 @@ def bench(args, batch_sizes: list[int], input_len: Union[int, Sequence[int]], ou
     context = f"{meta['model']}, {meta['num_layers']} layers, {meta['device']} {meta['dtype']}"
     if meta["layout"] != "tp1":
         context += f", {meta['layout']}"
-    return OneBatchRun(results, context, _floor_note(meta))
+    return OneBatchRun(results, context, f"{_floor_note(meta)} {_prefill_note(args)}")
+
+
+def _prefill_note(args) -> str:
+    return (f"prefill: forwards of at most {args.scheduler.step_budget()} new tokens, whole prompts together and a "
+            "longer one alone in chunks, as the server steps them (--max-prefill-tokens, --chunked-prefill-size).")
 
 
 def _floor_note(meta: dict) -> str:

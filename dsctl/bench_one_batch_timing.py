@@ -1,9 +1,12 @@
 """`bench one-batch`'s timing of static batches on one ModelRunner (one rank, or each rank of --tp N).
 
 `time_shapes(runner, shapes, ...)`: for each (batch size, input length, output length) one untimed
-warm-up run, then timed runs (`run_batch`: one prefill, then greedy decode steps, each forward timed
-with a device sync), summarised as an `OneBatchResult` (medians and their spread). Under DP
-attention each DP group runs its share of the batch (`batch_share`). `meta_of` / `layout_name`: what
+warm-up run, then timed runs (`run_batch`: the prefill, then greedy decode steps, each timed with a device
+sync), summarised as an `OneBatchResult` (medians and their spread). The prefill runs as the server's
+scheduler would step it (`prefill_plan`): forwards of at most the step budget (--max-prefill-tokens, and
+--chunked-prefill-size when chunking) new tokens, whole prompts together, a longer prompt alone in chunks;
+so a large batch of long prompts fits the memory the server plans for. Under DP attention each DP group
+runs its share of the batch (`batch_share`), and as many prefill forwards as the largest share. `meta_of` / `layout_name`: what
 the results say of the run. `add_floors`: each result's decode step against its bytes floor on this
 runner's layout (engine/distributed/step_floor.py) at the copy bandwidth `measure_bandwidth` took
 before the runner was built (CUDA only: on CPU there is none, and the floor fields stay None).
@@ -79,16 +82,29 @@ def batch_share(bs: int, tp) -> tuple[int, int]:
     return g * base + min(g, extra), base + (g < extra)
 
 
+def prefill_plan(n: int, input_len: int, budget: int) -> list[tuple[int, int, int, int]]:
+    """The prefill forwards of n prompts of input_len tokens with at most `budget` new tokens each, as the
+    scheduler steps them: (first request, requests, cached prefix, new tokens) per forward. Whole prompts
+    together while they fit; a longer prompt alone, in chunks of `budget` (the last one shorter)."""
+    if input_len <= budget:
+        per = budget // input_len
+        return [(i, min(per, n - i), 0, input_len) for i in range(0, n, per)]
+    return [(i, 1, p, min(budget, input_len - p)) for i in range(n) for p in range(0, input_len, budget)]
+
+
 def run_batch(runner, bs: int, input_len: int, output_len: int, seed: int) -> Optional[RunTimes]:
-    """One prefill of bs x input_len random tokens, then output_len - 1 greedy decode steps, timed. Under
-    DP attention this rank's group runs its share of the batch (`batch_share`) and every step ends when
-    every group's forwards have run; None for a group with no share."""
+    """The prefill of bs x input_len random tokens (`prefill_plan`), then output_len - 1 greedy decode
+    steps, timed. Under DP attention this rank's group runs its share of the batch (`batch_share`) and
+    every step ends when every group's forwards have run; None for a group with no share."""
     g = torch.Generator().manual_seed(seed + bs)
     vocab = min(runner.config.vocab_size, 32000)
     prompts = torch.randint(0, vocab, (bs, input_len), generator=g)  # the same on every rank
-    start, n = batch_share(bs, runner.parallel.tp)
+    budget = runner.args.scheduler.step_budget()
+    tp = runner.parallel.tp
+    start, n = batch_share(bs, tp)
+    forwards = len(prefill_plan(-(-bs // tp.dp_size), input_len, budget))  # the largest group's
     if n == 0:
-        return _run_idle(runner, output_len)
+        return _run_idle(runner, forwards + output_len - 1)
     prompts = prompts[start: start + n]
     rows = [runner.req_to_token.alloc() for _ in range(n)]
     slots = runner.kv_pool.alloc(n * (input_len + output_len))
@@ -96,25 +112,24 @@ def run_batch(runner, bs: int, input_len: int, output_len: int, seed: int) -> Op
         raise RuntimeError("KV pool / request table too small for this batch (raise --max-total-tokens)")
     slots = slots.view(n, input_len + output_len)
     try:
-        return _timed_run(runner, prompts, rows, slots, output_len)
+        return _timed_run(runner, prompts, rows, slots, output_len, prefill_plan(n, input_len, budget), forwards)
     finally:
         runner.kv_pool.free(slots.flatten())
         for r in rows:
             runner.req_to_token.free(r)
 
 
-def _timed_run(runner, prompts, rows: list[int], slots, output_len: int) -> RunTimes:
+def _timed_run(runner, prompts, rows: list[int], slots, output_len: int, plan, forwards: int) -> RunTimes:
     n, input_len = prompts.shape
     for i, r in enumerate(rows):
         runner.req_to_token.set(r, 0, slots[i])
-    fb = ForwardBatch.build(ForwardMode.EXTEND, prompts.flatten().tolist(), rows, [0] * n, [input_len] * n,
-                            slots[:, :input_len].flatten(), [(i + 1) * input_len - 1 for i in range(n)],
-                            runner.device)
     sync(runner.device)
     t0 = time.perf_counter()
-    next_ids = _step(runner, fb)
+    next_ids = prefill(runner, prompts, rows, slots, plan)
+    for _ in range(forwards - len(plan)):  # a smaller DP share: join the largest group's remaining forwards
+        runner.dp.finish_iteration()
     sync(runner.device)
-    prefill = time.perf_counter() - t0
+    prefill_s = time.perf_counter() - t0
     decode_times = []
     for step in range(output_len - 1):
         pos = input_len + step
@@ -126,7 +141,23 @@ def _timed_run(runner, prompts, rows: list[int], slots, output_len: int) -> RunT
         next_ids = _step(runner, dfb)
         sync(runner.device)
         decode_times.append(time.perf_counter() - t0)
-    return RunTimes(prefill, decode_times)
+    return RunTimes(prefill_s, decode_times)
+
+
+def prefill(runner, prompts, rows: list[int], slots, plan) -> torch.Tensor:
+    """Run `plan`'s prefill forwards over prompts [n, input_len] (KV slots [n, >= input_len], request rows
+    already mapped to them); returns each prompt's greedy next token, in order."""
+    input_len = prompts.shape[1]
+    out = []
+    for first, count, prefix, new in plan:
+        part = slice(first, first + count)
+        fb = ForwardBatch.build(ForwardMode.EXTEND, prompts[part, prefix:prefix + new].flatten().tolist(), rows[part],
+                                [prefix] * count, [new] * count, slots[part, prefix:prefix + new].flatten(),
+                                [(i + 1) * new - 1 for i in range(count)], runner.device)
+        next_ids = _step(runner, fb)
+        if prefix + new == input_len:  # the prompt's last chunk: its next token
+            out.append(next_ids)
+    return torch.cat(out)
 
 
 def _step(runner, fb):
@@ -137,10 +168,10 @@ def _step(runner, fb):
     return next_ids
 
 
-def _run_idle(runner, output_len: int) -> None:
-    """A DP group with no share of the batch: join the other groups' prefill and decode steps idle (no
-    times: this group ran no request)."""
-    for _ in range(output_len):
+def _run_idle(runner, steps: int) -> None:
+    """A DP group with no share of the batch: join the other groups' `steps` prefill and decode forwards
+    idle (no times: this group ran no request)."""
+    for _ in range(steps):
         runner.dp.finish_iteration()
 
 

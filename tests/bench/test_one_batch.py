@@ -134,3 +134,42 @@ def test_table_fits_every_width(width, lens, big):
     found = assert_no_empty_column(text)
     if width >= 120:
         assert "overall tok/s" in found[0]["headers"]  # room to spare: the figures get their own columns
+
+
+def test_prefill_plan_steps_like_the_scheduler():
+    """Every prompt token in exactly one forward, at most `budget` new tokens per forward: whole prompts together,
+    a longer prompt alone in chunks that continue its cached prefix."""
+    from dsctl.bench_one_batch_timing import prefill_plan
+
+    assert prefill_plan(5, 4, 8) == [(0, 2, 0, 4), (2, 2, 0, 4), (4, 1, 0, 4)]
+    assert prefill_plan(2, 10, 4) == [(0, 1, 0, 4), (0, 1, 4, 4), (0, 1, 8, 2), (1, 1, 0, 4), (1, 1, 4, 4),
+                                      (1, 1, 8, 2)]
+    for n, ilen, budget in [(1, 1, 1), (7, 3, 20), (3, 9, 9), (4, 17, 5), (128, 4096, 8192)]:
+        plan = prefill_plan(n, ilen, budget)
+        covered = sorted((r, p + k) for first, count, p, new in plan for r in range(first, first + count)
+                         for k in range(new))
+        assert covered == [(r, t) for r in range(n) for t in range(ilen)]
+        assert all(count * new <= budget or count == 1 and new <= budget for _, count, _, new in plan)
+
+
+def test_a_chunked_prefill_gives_the_whole_prefill_tokens_and_cache():
+    """One forward for the whole batch and the server's steps (whole prompts two by two, then a long prompt in
+    chunks over its cached prefix) write the same KV cache and choose the same next tokens (float32 tiny model)."""
+    import torch
+
+    from dsctl.bench_one_batch_timing import prefill, prefill_plan
+    from engine.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineArgs.of(model="tiny", device="cpu", max_total_tokens=256, max_model_len=64))
+    prompts = torch.randint(0, 100, (3, 13), generator=torch.Generator().manual_seed(5))
+    rows = [runner.req_to_token.alloc() for _ in range(3)]
+    slots = runner.kv_pool.alloc(3 * 13).view(3, 13)
+    for i, r in enumerate(rows):
+        runner.req_to_token.set(r, 0, slots[i])
+    caches, tokens = [], []
+    for budget in (39, 26, 5):  # one forward; prompts 2 + 1; every prompt in chunks of 5, 5, 3
+        tokens.append(prefill(runner, prompts, rows, slots, prefill_plan(3, 13, budget)))
+        caches.append(torch.stack([buf[slots.flatten()].clone() for buf in runner.kv_pool.buffer]))
+    for got, cache in zip(tokens[1:], caches[1:]):
+        assert torch.equal(got, tokens[0])
+        torch.testing.assert_close(cache, caches[0], rtol=1e-4, atol=1e-5)

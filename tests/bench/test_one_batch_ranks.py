@@ -44,8 +44,11 @@ def test_layout_names():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, name", [(dict(enable_dp_attention=True, dp_size=2), "tp2 dp2"),
-                                          (dict(ep_size=2), "tp2 ep2")])
+@pytest.mark.parametrize("layout, name", [
+    # DP attention with a 4-token prefill budget: 6-token prompts in chunks of 4 + 2; at batch 3 the groups' shares
+    # are 2 and 1 (4 and 2 prefill forwards), at batch 1 one group is idle: every collective must still pair up
+    (dict(enable_dp_attention=True, dp_size=2, chunked_prefill_size=4), "tp2 dp2"),
+    (dict(ep_size=2), "tp2 ep2")])
 def test_ranked_bench_times_every_shape(tmp_path, layout, name):
     out = tmp_path / "r.jsonl"
     run = bench(EngineArgs.of(**CPU, **layout), [1, 3], [6], [3], result_file=out, repeats=2)
