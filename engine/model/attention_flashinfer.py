@@ -34,6 +34,7 @@ from engine.model.attention import MLA
 from engine.model.attention_triton import TritonAttentionBackend, absorbed_query, latent_to_values
 from engine.model.context import ForwardContext
 from kernels.mla_decode import tuned_entry
+from kernels.tuned_configs import MLA_KV_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ class FlashInferAttentionBackend:
         self._pinned: Optional[torch.Tensor] = None  # page-locked staging of the plan's host arrays (_staged)
         self.fast_replan = True  # False: every graph replay uses FlashInfer's public plan() (benchmarks compare)
         self._warned_fallback = False
+        if decode_only:
+            self._log_triton_decodes(max(max_graph_bs, 256))
 
     # ---- planning (host side, once per forward) -------------------------------------------
     def begin_forward(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: Optional[int] = None) -> None:
@@ -141,6 +144,15 @@ class FlashInferAttentionBackend:
             return True
         entry = tuned_entry(self.num_heads, self.kv_dtype, batch, self.device)
         return entry is None or bool(entry.get("FLASHINFER", 1))
+
+    def _log_triton_decodes(self, largest: int) -> None:
+        """Say at start-up which decode batch sizes (powers of two up to `largest`) this GPU's MLA table gives to
+        the Triton kernel, so that an operator who asked for FlashInfer's decode knows where it does not run."""
+        sizes = [1 << i for i in range(largest.bit_length()) if not self.decodes_at(1 << i)]
+        if sizes:
+            log.info("flashinfer-decode: this GPU's MLA decode table (dsctl tune-mla) measured the Triton kernel "
+                     "faster at %d heads, %s cache, for decode batch sizes near %s: those steps decode with Triton",
+                     self.num_heads, MLA_KV_NAMES.get(self.kv_dtype, self.kv_dtype), ", ".join(map(str, sizes)))
 
     def _plan(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: Optional[int]) -> None:
         wrapper = self.eager if graph_bs is None else self._graph_wrapper(graph_bs)

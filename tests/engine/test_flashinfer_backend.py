@@ -3,6 +3,7 @@ whole model against the torch reference, with `tests/engine/fake_flashinfer.py` 
 real kernels (which tests/gpu/test_flashinfer.py runs on a GPU)."""
 
 import importlib.util
+import logging
 
 import pytest
 import torch
@@ -131,7 +132,7 @@ def test_decode_only_runs_extends_on_triton(monkeypatch):
     _assert_same(ref, got)
 
 
-def test_decode_only_leaves_the_batch_sizes_a_tuned_table_gives_triton(monkeypatch):
+def test_decode_only_leaves_the_batch_sizes_a_tuned_table_gives_triton(monkeypatch, caplog):
     """'flashinfer-decode' with this GPU's MLA decode table (`dsctl tune-mla`) saying the Triton kernel is faster at
     one request: those decode steps run the Triton backend (no FlashInfer plan), the others FlashInfer; outputs equal
     the torch reference's. The full 'flashinfer' backend ignores the table."""
@@ -142,8 +143,10 @@ def test_decode_only_leaves_the_batch_sizes_a_tuned_table_gives_triton(monkeypat
         return _generate(eng, prompts, n=4) + _generate(eng, prompts[:1], n=4)
 
     ref = rounds(Engine(**kw))
-    eng, backend = _fake_engine(monkeypatch, kw, decode_only=True)
     monkeypatch.setattr(fi, "tuned_entry", lambda rows, kv, batch, device: {"FLASHINFER": int(batch > 1)})
+    with caplog.at_level(logging.INFO, logger=fi.__name__):
+        eng, backend = _fake_engine(monkeypatch, kw, decode_only=True)
+    assert "for decode batch sizes near 1: those steps decode with Triton" in caplog.text  # said at start-up
     steps = []
     plan = backend.begin_forward
 
