@@ -161,8 +161,9 @@ def test_defaults_are_valid(m):
 def test_shipped_files_parse():
     assert tc.SHIPPED_DIR.is_dir()
     for path in tc.SHIPPED_DIR.glob("*.json"):
-        assert path.name.startswith(("E=", "N=")) and ",device_name=" in path.name
+        assert path.name.startswith(("E=", "N=", "MLA_DECODE,")) and ",device_name=" in path.name
         configs = tc.load_configs(path)
         assert configs
+        keys = tc.MLA_DECODE_KEYS if path.name.startswith("MLA_DECODE,") else tc.CONFIG_KEYS
         for cfg in configs.values():
-            assert set(tc.CONFIG_KEYS) <= set(cfg)
+            assert set(keys) <= set(cfg)
