@@ -72,6 +72,14 @@ _LOG2E = 1.4426950408889634
 #             reference on the same FP8 cache) 1.6-3.0% relative on the output at softmax
 #             scale 0.06 (8% at a sharp 0.3), against 0.3-0.5% for "split"; 0.5-0.8x of
 #             what the cache's own e4m3 quantisation costs (tests/kernels/test_mla_decode.py).
+#   "tile8":  8-bit caches as "tile": one [BLOCK_N, Lkv+R] tile feeds both dots, upcast to
+#             float16 once by inline PTX (`_upcast_fp8`), so each cached row is read once
+#             (not twice as with "split") and shared memory holds one 8-bit tile per stage (92 KB
+#             against 160 KB at 16 heads, block_n 64, 3 stages). Triton still applies the
+#             conversion in the dots' operand layout: offline sm_90 compile, 1,088 loop
+#             instructions per tile against "split"'s 1,309 (bf16's "tile": 705). Written
+#             after the H200 was spent: not yet timed; `dsctl tune-mla` and `bench_mla.py
+#             --kv-loads split,tile8` time it; the defaults do not use it.
 # (Measured on H100 and dropped, see docs/perf.md: FP8 read as 32-bit words and
 # upcast with inline PTX, alone or for V only; both were slower than "split". Measured on
 # H200 and dropped, 16 heads (docs/perf.md, issue 40): V, or the whole tile feeding both
@@ -85,7 +93,7 @@ _LOG2E = 1.4426950408889634
 # on H200 and dropped (docs/perf.md, issue 40): token-major scores (S^T = K q^T, O^T = V^T P^T;
 # 1.1-3x slower, spills), p through a global scratch tile to unchain the dots (the barriers it needs
 # stop the cp.async pipelining: 1.2x slower), rescaling the accumulator only when a row max grows.
-KV_LOADS = {"tile": 0, "split": 1, "fp8dot": 2}
+KV_LOADS = {"tile": 0, "split": 1, "fp8dot": 2, "tile8": 3}
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,35 @@ def fp8_operand(x, INTERPRET: tl.constexpr):
     if INTERPRET:
         x = x.to(tl.float32)
     return x
+
+
+_E4M3X4_TO_F16 = tl.constexpr("""{
+.reg .b16 l, h;
+mov.b32 {l, h}, $2;
+cvt.rn.f16x2.e4m3x2 $0, l;
+cvt.rn.f16x2.e4m3x2 $1, h;
+}""")
+_E5M2X4_TO_F16 = tl.constexpr("""{
+.reg .b16 l, h;
+mov.b32 {l, h}, $2;
+cvt.rn.f16x2.e5m2x2 $0, l;
+cvt.rn.f16x2.e5m2x2 $1, h;
+}""")
+
+
+@triton.jit
+def _upcast_fp8(x, INTERPRET: tl.constexpr):
+    """An 8-bit tile as float16 ("tile8"): on the GPU one inline-PTX cvt per two values, on bytes Triton cannot
+    carry into the dots' operand layout by itself (exact: every e4m3 / e5m2 value is a float16); in the
+    interpreter the same values by Triton's cast."""
+    if INTERPRET:
+        return x.to(tl.float16)
+    elif x.dtype == tl.float8e5:
+        return tl.inline_asm_elementwise(_E5M2X4_TO_F16, "=r,=r,r", [x.to(tl.int8, bitcast=True)], dtype=tl.float16,
+                                         is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(_E4M3X4_TO_F16, "=r,=r,r", [x.to(tl.int8, bitcast=True)], dtype=tl.float16,
+                                         is_pure=True, pack=4)
 
 
 @triton.jit
@@ -237,9 +274,12 @@ def _mla_decode_stage1(
             loc = loc_next.to(tl.int64)
             loc_next = tl.load(idx_ptr + next_n, mask=next_n < end, other=0)
             row_ptr = KV + loc[:, None] * stride_kv
-            if KV_LOAD == 0:
+            if KV_LOAD == 0 or KV_LOAD == 3:
                 kv = tl.load(row_ptr + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
                 kpe = tl.load(row_ptr + LKV + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+                if KV_LOAD == 3:  # "tile8": one 8-bit tile, upcast once for both dots
+                    kv = _upcast_fp8(kv, INTERPRET)
+                    kpe = _upcast_fp8(kpe, INTERPRET)
                 kv = dot_operand(kv, COMPUTE_DTYPE, INTERPRET)
                 qk = tl.dot(q, tl.trans(kv))
                 qk += tl.dot(qpe, tl.trans(dot_operand(kpe, COMPUTE_DTYPE, INTERPRET)))
@@ -404,16 +444,19 @@ def _fp8_dots(device_index: int) -> bool:
 
 
 def _kv_load(requested: str, kv_dtype: torch.dtype, device: torch.device) -> str:
-    """The KV load mode that runs: 8-bit caches "split", or "fp8dot" where requested, the cache is
-    float8_e4m3fn (e5m2 has no e4m3 dot partner here: "split") and the GPU has FP8 dots (or this is
-    the CPU interpreter); 16/32-bit caches the requested mode, "fp8dot" there meaning "tile"."""
+    """The KV load mode that runs: 8-bit caches "split", "tile8" where requested, or "fp8dot" where
+    requested, the cache is float8_e4m3fn (e5m2 has no e4m3 dot partner here: "split") and the GPU has
+    FP8 dots (or this is the CPU interpreter); 16/32-bit caches the requested mode, "fp8dot" and "tile8"
+    there meaning "tile"."""
     if requested not in KV_LOADS:
         raise ValueError(f"kv_load must be one of {sorted(KV_LOADS)}, got {requested!r}")
-    if kv_dtype.itemsize == 1:  # 8-bit tiles need one dot per load
+    if kv_dtype.itemsize == 1:  # 8-bit tiles need one dot per load, or the explicit upcast of "tile8"
+        if requested == "tile8":
+            return "tile8"
         fp8_dots = device.type != "cuda" or _fp8_dots(device.index if device.index is not None
                                                       else torch.cuda.current_device())
         return "fp8dot" if requested == "fp8dot" and kv_dtype == torch.float8_e4m3fn and fp8_dots else "split"
-    return "tile" if requested == "fp8dot" else requested
+    return "tile" if requested in ("fp8dot", "tile8") else requested
 
 
 def mla_decode(q_nope_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,

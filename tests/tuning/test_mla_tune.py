@@ -133,6 +133,12 @@ def test_fp8dot_is_held_to_what_the_fp8_cache_itself_costs():
     assert err_split < 0.01 < err_fp8dot <= bound  # the queries' rounding is counted, and within the bound
 
 
+def test_every_load_mode_has_an_error_bound():
+    from kernels.mla_decode import KV_LOADS
+
+    assert set(tm.ERR_BOUND) | {"fp8dot"} == set(KV_LOADS)
+
+
 def test_the_engine_reads_the_table(tmp_path):
     """The look-up the decode kernel and the flashinfer-decode backend make: nearest tuned batch size; none beyond
     twice the largest, or without a file."""
