@@ -141,18 +141,14 @@ def fp8_operand(x, INTERPRET: tl.constexpr):
     return x
 
 
-_E4M3X4_TO_F16 = tl.constexpr("""{
-.reg .b16 l, h;
-mov.b32 {l, h}, $2;
-cvt.rn.f16x2.e4m3x2 $0, l;
-cvt.rn.f16x2.e4m3x2 $1, h;
-}""")
-_E5M2X4_TO_F16 = tl.constexpr("""{
-.reg .b16 l, h;
-mov.b32 {l, h}, $2;
-cvt.rn.f16x2.e5m2x2 $0, l;
-cvt.rn.f16x2.e5m2x2 $1, h;
-}""")
+def _fp8x4_to_f16_asm(fmt: str) -> str:
+    """PTX: the four 8-bit values of $2 (format fmt, e4m3 or e5m2) as float16 pairs $0 (values 0, 1), $1 (2, 3)."""
+    return ("{\n.reg .b16 l, h;\nmov.b32 {l, h}, $2;\n"
+            f"cvt.rn.f16x2.{fmt}x2 $0, l;\ncvt.rn.f16x2.{fmt}x2 $1, h;\n}}")
+
+
+_E4M3X4_TO_F16 = tl.constexpr(_fp8x4_to_f16_asm("e4m3"))
+_E5M2X4_TO_F16 = tl.constexpr(_fp8x4_to_f16_asm("e5m2"))
 
 
 @triton.jit
