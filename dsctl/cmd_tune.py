@@ -77,20 +77,24 @@ def resolve_out_dir(out_dir: Optional[Path]) -> Path:
     return Path(env).expanduser() if env else per_user_dir()
 
 
-def _device(opts: "TuneFlags", command: str) -> tuple[Optional[str], str]:
-    """(torch device, device name for file names); a one-line error without a GPU (unless dry run)."""
+def tune_device(dry_run: bool, command: str, dry_run_lists: str) -> tuple[Optional[str], str]:
+    """(torch device, device name for file names) of a `dsctl tune-*` command; a one-line error without a GPU
+    (unless dry run) that says what `--dry-run` lists instead."""
     import torch  # lazy: imports torch; keeps dsctl --help fast
 
     from kernels.tuned_configs import device_name  # lazy: imports torch; keeps dsctl --help fast
 
     if torch.cuda.is_available():
         return "cuda", device_name("cuda")
-    if opts.dry_run:
+    if dry_run:
         return None, "{GPU}"
     if interpreting():  # TRITON_INTERPRET=1: runs the kernels on CPU (slow; for tests)
         return "cpu", "cpu"
-    raise NoGpuError(f"{command} needs a CUDA GPU; `--dry-run` lists the shapes it would tune "
-                     f"(model {opts.model}, TP {opts.tp})")
+    raise NoGpuError(f"{command} needs a CUDA GPU; `--dry-run` lists {dry_run_lists}")
+
+
+def _device(opts: "TuneFlags", command: str) -> tuple[Optional[str], str]:
+    return tune_device(opts.dry_run, command, f"the shapes it would tune (model {opts.model}, TP {opts.tp})")
 
 
 def check_writable(out: Path) -> None:

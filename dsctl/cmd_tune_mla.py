@@ -20,28 +20,20 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dsctl.cmd_tune import DEFAULT_MODEL, MODEL_HELP, OUT_HELP, RESUME_HELP, check_writable, resolve_out_dir
+from dsctl.cmd_tune import (
+    DEFAULT_MODEL,
+    MODEL_HELP,
+    OUT_HELP,
+    RESUME_HELP,
+    check_writable,
+    resolve_out_dir,
+    tune_device,
+)
 from dsctl.tables import print_fitting
-from kernels.interpret import interpreting
-from tuning.errors import NoGpuError
 
 _BATCH_HELP = "Comma-separated decode batch sizes (requests per step) (default: 1, 2, 4, ..., 256)."
 _CTX_HELP = "Comma-separated context lengths each candidate is timed at; its score is their geometric mean."
 _KV_HELP = "KV-cache dtypes to tune, comma-separated: bf16, fp16, fp8_e4m3 (one table each)."
-
-
-def _device(dry_run: bool) -> tuple[Optional[str], str]:
-    import torch  # lazy: keeps dsctl --help fast
-
-    from kernels.tuned_configs import device_name  # lazy: imports torch
-
-    if torch.cuda.is_available():
-        return "cuda", device_name("cuda")
-    if dry_run:
-        return None, "{GPU}"
-    if interpreting():
-        return "cpu", "cpu"
-    raise NoGpuError("tune-mla needs a CUDA GPU; `--dry-run` lists the tables it would write")
 
 
 def _flashinfer_installed(device: Optional[str]) -> bool:
@@ -82,7 +74,7 @@ def tune_mla(
     no_flashinfer: bool = typer.Option(False, "--no-flashinfer", help="Do not time FlashInfer's MLA decode even "
                                        "where it is installed (the table then leaves the choice to the engine)."),
 ) -> None:
-    device, name = _device(dry_run)
+    device, name = tune_device(dry_run, "tune-mla", "the tables it would write")
     import torch  # lazy: keeps dsctl --help fast
 
     from tuning import mla_decode as tm  # lazy: imports torch
