@@ -71,8 +71,15 @@ def run_case(case: DecodeCase, heads: int, kv_dtype, workspace) -> dict:
     return row
 
 
+PLAN_MODES = {"public_plan_us": dict(fast_replan=False, in_place=False),  # FlashInfer's plan() every step
+              "gather_replan_us": dict(in_place=False),  # pages gathered into the wrappers' buffer, then re-plan
+              "in_place_us": {}}  # the engine's default: the request table read in place, re-plan
+
+
 def plan_overhead(batches=(1, 32, 128), ctx=4096, reps=50) -> list[dict]:
-    """Host microseconds of begin_forward for a CUDA-graph decode batch: public plan vs captured re-plan."""
+    """Host microseconds of begin_forward for a CUDA-graph decode batch in each of PLAN_MODES (the first, capture-time
+    plan not counted), whether the gathered re-plan keeps the captured schedule layout, and the in-place wrapper's
+    attention output against the gathering one's on a random cache (max abs difference; 0 expected)."""
     import time
 
     from engine.forward_batch import ForwardBatch, ForwardMode
@@ -81,31 +88,45 @@ def plan_overhead(batches=(1, 32, 128), ctx=4096, reps=50) -> list[dict]:
     from engine.model.context import ForwardContext
 
     rows = []
+    g = torch.Generator(device=DEV).manual_seed(0)
     for bs in batches:
         table = ReqToTokenPool(bs, ctx + 1, torch.device(DEV))
         table.table[:bs, :ctx] = torch.randperm(bs * ctx, device=DEV).view(bs, ctx).to(torch.int32) + 1
-        backend = FlashInferAttentionBackend(128, LKV, ROPE, SM_SCALE, torch.bfloat16, torch.bfloat16, 1.0,
-                                             torch.device(DEV), ctx + 1, max_graph_bs=bs)
-        ctx_ = ForwardContext(None, table, None, backend, moe_backend=None)
 
         def batch(lens):
             return ForwardBatch.build(ForwardMode.DECODE, [0] * bs, list(range(bs)), [n - 1 for n in lens],
-                                      [1] * bs, torch.zeros(bs, dtype=torch.int64), list(range(bs)), DEV)
+                                      [1] * bs, torch.zeros(bs, dtype=torch.int64), list(range(bs)), torch.device(DEV))
         fbs = [batch([ctx - (i * 37 + r) % 512 for i in range(bs)]) for r in range(reps)]
-        out = {"bs": bs, "ctx": ctx}
-        backend.begin_forward(fbs[0], ctx_, graph_bs=bs)  # the first (capture-time) plan is public
-        captured = list(backend.graph_wrappers[bs]._planned_backend._plan_info)
-        for name, replan in (("public_plan_us", False), ("replan_us", True)):
-            backend.fast_replan = replan
+        out, backends = {"bs": bs, "ctx": ctx}, {}
+        for name, attrs in PLAN_MODES.items():
+            backend = FlashInferAttentionBackend(128, LKV, ROPE, SM_SCALE, torch.bfloat16, torch.bfloat16, 1.0,
+                                                 torch.device(DEV), ctx + 1, max_graph_bs=bs)
+            for k, v in attrs.items():
+                setattr(backend, k, v)
+            ctx_ = ForwardContext(None, table, None, backend, moe_backend=None)
+            backend.begin_forward(fbs[0], ctx_, graph_bs=bs)  # the capture-time plan
+            backends[name] = (backend, ctx_)
             torch.cuda.synchronize()
             t = time.perf_counter()
             for fb in fbs:
                 backend.begin_forward(fb, ctx_, graph_bs=bs)
             torch.cuda.synchronize()
             out[name] = (time.perf_counter() - t) / reps * 1e6
-        backend.fast_replan = False  # one more public plan: does the schedule layout stay what was captured?
-        backend.begin_forward(fbs[-1], ctx_, graph_bs=bs)
-        out["plan_info_stable"] = list(backend.graph_wrappers[bs]._planned_backend._plan_info) == captured
+        gather, gctx = backends["gather_replan_us"]
+        captured = list(gather.graph_wrappers[bs]._planned_backend._plan_info)
+        gather.fast_replan = False  # one more public plan: does the schedule layout stay what was captured?
+        gather.begin_forward(fbs[-1], gctx, graph_bs=bs)
+        out["plan_info_stable"] = list(gather.graph_wrappers[bs]._planned_backend._plan_info) == captured
+        cache = torch.randn(bs * ctx + 1, 1, LKV + ROPE, device=DEV, generator=g).to(torch.bfloat16)
+        q = (torch.randn(bs, 128, LKV, device=DEV, generator=g).to(torch.bfloat16),
+             torch.randn(bs, 128, ROPE, device=DEV, generator=g).to(torch.bfloat16))
+        outs = []
+        for name in ("gather_replan_us", "in_place_us"):
+            backend, ctx_ = backends[name]
+            backend.begin_forward(fbs[-1], ctx_, graph_bs=bs)
+            outs.append(backend.graph_wrappers[bs].run(query=q, kv_cache=cache).float())
+        out["in_place_max_abs_diff"] = float((outs[0] - outs[1]).abs().max())
+        out["in_place"] = backends["in_place_us"][0].in_place
         rows.append(out)
         print(json.dumps(out), flush=True)
     return rows
@@ -143,8 +164,9 @@ def main() -> int:
     print_table(info, rows)
     print("\nHost cost of planning one CUDA-graph decode step (128 heads, ctx 4096), us:")
     for p in plans:
-        print(f"  bs {p['bs']:>4}: public plan() {p['public_plan_us']:8.1f}   captured re-plan {p['replan_us']:8.1f}"
-              f"   plan_info unchanged: {p['plan_info_stable']}")
+        print(f"  bs {p['bs']:>4}: public plan() {p['public_plan_us']:8.1f}   gathered re-plan {p['gather_replan_us']:8.1f}"
+              f"   in place {p['in_place_us']:8.1f} (used: {p['in_place']}, max abs diff vs gathered "
+              f"{p['in_place_max_abs_diff']:.2e})   plan_info unchanged: {p['plan_info_stable']}")
     return 0
 
 

@@ -118,9 +118,13 @@ class ReqToTokenPool:
         r, w = lists.shape
         if r > self.num_scratch or w > self.table.shape[1]:
             return None
-        first = self.padding_row + 1
-        self.table[first:first + r, :w] = lists
-        return torch.arange(first, first + r, dtype=torch.int64, device=self.table.device)
+        self.table[self.first_scratch:self.first_scratch + r, :w] = lists
+        return torch.arange(self.first_scratch, self.first_scratch + r, dtype=torch.int64, device=self.table.device)
+
+    @property
+    def first_scratch(self) -> int:
+        """The first scratch row: `write_scratch` of R lists writes rows first_scratch .. first_scratch + R - 1."""
+        return self.padding_row + 1
 
     def available(self) -> int:
         return len(self._free_rows)

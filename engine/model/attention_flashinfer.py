@@ -15,7 +15,12 @@ FlashInfer plans on the host once per forward and every layer reuses that plan:
 `begin_forward(fb)` plans before an eager forward. For CUDA graphs, each captured
 batch size gets its own wrapper whose metadata buffers stay at fixed addresses;
 it is planned before capture and re-planned (host side, outside the graph)
-before every replay with the padded batch's lengths.
+before every replay with the padded batch's lengths. A CUDA-graph wrapper reads the
+request table in place: its page list is the whole table, flattened, and request i's
+pages start at its row (kv_indptr[i] = row * row stride, lengths from kv_len_arr), so
+a replay copies no page indices; this needs the re-plan of FlashInfer 0.7's planner
+internals (`_replan_internals`), without which the wrappers gather each step's pages
+into a buffer of their own and plan through the public plan().
 
 FlashInfer is imported lazily, only when this backend is built on a CUDA device.
 """
@@ -88,6 +93,20 @@ def kv_page_indices(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch
     return out[:total]
 
 
+def _replan_internals(wrapper):
+    """(planned backend, planner, whether it returns staged schedule bytes that the caller copies to the GPU) of a
+    wrapper FlashInfer has planned, from FlashInfer 0.7's MLA internals (the fa2/fa3 backend object and its JIT
+    module: the raw planner under its staging proxy where there is one); None where this FlashInfer lacks them."""
+    b = getattr(wrapper, "_planned_backend", None)
+    module = getattr(b, "_cached_module", None)
+    if module is None or not hasattr(module, "plan_with_staged_workspace_bytes"):
+        return None
+    raw = getattr(module, "_module", None)
+    if raw is not None and callable(getattr(raw, "plan", None)):
+        return b, raw.plan, True
+    return b, module.plan_with_staged_workspace_bytes, False
+
+
 class FlashInferAttentionBackend:
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, sm_scale: float, q_dtype: torch.dtype,
                  kv_dtype: torch.dtype, kv_scale: float, device: torch.device, max_context: int,
@@ -104,7 +123,10 @@ class FlashInferAttentionBackend:
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.eager = BatchMLAPagedAttentionWrapper(self.workspace)
         self.graph_wrappers: dict[int, object] = {}
-        self.graph_indices: Optional[torch.Tensor] = None  # page indices shared by all graph wrappers
+        self.graph_indices: Optional[torch.Tensor] = None  # page indices shared by the gathering graph wrappers
+        self.in_place: Optional[bool] = None  # graph wrappers read the request table in place (None: not yet known)
+        self._table: Optional[torch.Tensor] = None  # the request table the in-place wrappers read
+        self._decodes: dict[int, bool] = {}  # decodes_at's answers (the tuned table is read once per batch size)
         self.active = None  # the wrapper planned for the forward in flight
         # extends FlashInfer's planner refuses; FlashInfer runs DeepSeek's head dims only (qk_nope 128, v 128)
         # (prefill: the expanded prefill attention that backend's extends run, engine/model/prefill_attention.py)
@@ -142,8 +164,10 @@ class FlashInferAttentionBackend:
         with the table's launch parameters). Always yes for the full 'flashinfer' backend."""
         if not self.decode_only:
             return True
-        entry = tuned_entry(self.num_heads, self.kv_dtype, batch, self.device)
-        return entry is None or bool(entry.get("FLASHINFER", 1))
+        if batch not in self._decodes:
+            entry = tuned_entry(self.num_heads, self.kv_dtype, batch, self.device)
+            self._decodes[batch] = entry is None or bool(entry.get("FLASHINFER", 1))
+        return self._decodes[batch]
 
     def _log_triton_decodes(self, largest: int) -> None:
         """Say at start-up which decode batch sizes (powers of two up to `largest`) this GPU's MLA table gives to
@@ -155,6 +179,9 @@ class FlashInferAttentionBackend:
                      self.num_heads, MLA_KV_NAMES.get(self.kv_dtype, self.kv_dtype), ", ".join(map(str, sizes)))
 
     def _plan(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: Optional[int]) -> None:
+        if graph_bs is not None and self.fast_replan and self.in_place is not False:
+            if self._plan_in_place(fb, ctx.req_to_token.table, graph_bs):
+                return
         wrapper = self.eager if graph_bs is None else self._graph_wrapper(graph_bs)
         qo_indptr, kv_indptr, kv_lens = self._staged(csr_lengths(fb.extend_lens_cpu, fb.seq_lens_cpu))
         total = int(kv_indptr[-1])
@@ -165,13 +192,8 @@ class FlashInferAttentionBackend:
             self.active = wrapper
             return
         try:
-            wrapper.plan(
-                metadata=self._metadata_cls.csr(qo_indptr, kv_indptr, indices, kv_lens),
-                num_heads=self.num_heads, head_dim_ckv=self.kv_lora_rank, head_dim_kpe=self.rope_dim,
-                page_size=1, causal=not fb.mode.is_decode, sm_scale=self.sm_scale,
-                q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
-                query_layout="split", kv_cache_layout="packed",
-            )
+            wrapper.plan(metadata=self._metadata_cls.csr(qo_indptr, kv_indptr, indices, kv_lens),
+                         **self._plan_kwargs(causal=not fb.mode.is_decode))
         except Exception as e:  # FlashInfer's planner refuses some very long causal extends
             if fb.mode.is_decode:
                 raise
@@ -181,40 +203,100 @@ class FlashInferAttentionBackend:
             return
         self.active = wrapper
 
-    def _staged(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """The plan's host int32 arrays copied into one page-locked buffer kept across steps (on CUDA), so that
-        their copies to the GPU do not wait for queued work and no step allocates page-locked memory. Rewriting
-        it is safe: begin_forward waits for the previous plan's copies first."""
+    def _plan_in_place(self, fb: ForwardBatch, table: torch.Tensor, bs: int) -> bool:
+        """Plan the in-place CUDA-graph wrapper of size bs for fb (see the module docstring); False (and from then
+        on the gathering wrappers) when this FlashInfer cannot re-plan such a wrapper or the table is too large
+        for int32 page offsets."""
+        wrapper = self.graph_wrappers.get(bs)
+        if wrapper is None:
+            wrapper = self._in_place_wrapper(table, bs)
+            if wrapper is None:
+                self.in_place = False
+                return False
+        if table is not self._table:
+            raise RuntimeError("the request table was reallocated after FlashInfer's CUDA-graph wrappers were "
+                               "built over it (ReqToTokenPool.reserve_scratch must run before graph capture)")
+        rows = fb.req_rows_cpu if fb.req_rows_cpu is not None else fb.req_pool_indices.tolist()
+        lens = fb.seq_lens_cpu
+        kv_indptr = [r * table.stride(0) for r in rows]
+        kv_indptr.append(kv_indptr[-1] + lens[-1])  # one past the last request's pages (unread by the planner)
+        qo_indptr, kv_indptr, kv_lens = self._staged((list(range(bs + 1)), kv_indptr, lens))
+        self._replan(_replan_internals(wrapper), qo_indptr, kv_indptr, kv_lens)
+        self.active = wrapper
+        return True
+
+    def _in_place_wrapper(self, table: torch.Tensor, bs: int):
+        """A CUDA-graph wrapper of size bs whose page list is `table` flattened, planned once through the public
+        plan() (its first bs entries as a CSR of one page per request: FlashInfer accepts a source that is exactly
+        the target it reserved), or None when this FlashInfer's internals do not allow re-planning it."""
+        if table.numel() >= 2**31 or not table.is_contiguous() or table.dtype != torch.int32:
+            return None
+        if self._table is None:
+            self._table = table
+        i32 = dict(dtype=torch.int32, device=self.device)
+        flat = table.view(-1)
+        wrapper = self._wrapper_cls(self.workspace, use_cuda_graph=True, qo_indptr=torch.zeros(bs + 1, **i32),
+                                    kv_indptr=torch.zeros(bs + 1, **i32), kv_indices=flat,
+                                    kv_len_arr=torch.zeros(bs, **i32))
+        ones = torch.arange(bs + 1, dtype=torch.int32)
+        wrapper.plan(metadata=self._metadata_cls.csr(ones, ones, flat[:bs], torch.ones(bs, dtype=torch.int32)),
+                     **self._plan_kwargs(causal=False))
+        if _replan_internals(wrapper) is None:
+            return None
+        self.in_place = True
+        self.graph_wrappers[bs] = wrapper
+        return wrapper
+
+    def _plan_kwargs(self, causal: bool) -> dict:
+        return dict(num_heads=self.num_heads, head_dim_ckv=self.kv_lora_rank, head_dim_kpe=self.rope_dim,
+                    page_size=1, causal=causal, sm_scale=self.sm_scale, q_data_type=self.q_dtype,
+                    kv_data_type=self.kv_dtype, query_layout="split", kv_cache_layout="packed")
+
+    def _staged(self, arrays: tuple) -> tuple[torch.Tensor, ...]:
+        """The plan's host int32 arrays (lists or tensors) in one page-locked buffer kept across steps (on CUDA), so
+        that their copies to the GPU do not wait for queued work and no step allocates page-locked memory.
+        Rewriting it is safe: begin_forward waits for the previous plan's copies first."""
         if self.device.type != "cuda":
-            return tensors
-        need = sum(t.numel() for t in tensors)
+            return tuple(torch.as_tensor(a, dtype=torch.int32) for a in arrays)
+        need = sum(len(a) for a in arrays)
         if self._pinned is None or self._pinned.numel() < need:
             self._pinned = torch.empty(max(need, 2 * (self.max_graph_bs + 1) + self.max_graph_bs + 64),
                                        dtype=torch.int32, pin_memory=True)
+        flat = self._pinned.numpy()
         out, at = [], 0
-        for t in tensors:
-            view = self._pinned[at:at + t.numel()]
-            view.copy_(t)
-            out.append(view)
-            at += t.numel()
+        for a in arrays:
+            flat[at:at + len(a)] = a.numpy() if isinstance(a, torch.Tensor) else a
+            out.append(self._pinned[at:at + len(a)])
+            at += len(a)
         return tuple(out)
 
     def _replan_captured(self, wrapper, qo_indptr, kv_indptr, kv_lens) -> bool:
         """Re-plan a CUDA-graph wrapper that was planned before: the schedule only, without the public
         plan()'s validation (about a millisecond of Python per decode step; the metadata were checked
         when the graph was captured and have the same shapes now). Page indices are already in the
-        wrapper's buffer. Uses FlashInfer's fa2/fa3 plan internals (0.7.x); returns False (and the public
-        plan() runs) when this FlashInfer does not have them."""
-        b = getattr(wrapper, "_planned_backend", None)
-        module = getattr(b, "_cached_module", None)
-        if module is None or not hasattr(module, "plan_with_staged_workspace_bytes"):
+        wrapper's buffer. Returns False (and the public plan() runs) when this FlashInfer does not have the
+        internals `_replan_internals` uses."""
+        internals = _replan_internals(wrapper)
+        if internals is None:
             return False
-        module.plan_with_staged_workspace_bytes(
-            b._float_workspace_buffer, b._int_workspace_buffer, b._pin_memory_int_workspace_buffer,
-            qo_indptr, kv_indptr, kv_lens, self.num_heads, self.kv_lora_rank, False)
+        self._replan(internals, qo_indptr, kv_indptr, kv_lens)
+        return True
+
+    def _replan(self, internals, qo_indptr, kv_indptr, kv_lens) -> None:
+        """FlashInfer's MLA planner on the staged host arrays, its schedule copied to the GPU, and the wrapper's
+        metadata buffers refreshed (all copies asynchronous, from page-locked memory)."""
+        b, plan, staging = internals
+        args = (b._float_workspace_buffer, b._int_workspace_buffer, b._pin_memory_int_workspace_buffer,
+                qo_indptr, kv_indptr, kv_lens, self.num_heads, self.kv_lora_rank, False)
+        if staging:
+            _, staged = plan(*args)
+            n = int(staged)
+            b._int_workspace_buffer.view(torch.uint8)[:n].copy_(
+                b._pin_memory_int_workspace_buffer.view(torch.uint8)[:n], non_blocking=True)
+        else:
+            plan(*args)
         for buf, src in ((b._qo_indptr_buf, qo_indptr), (b._kv_indptr_buf, kv_indptr), (b._kv_len_arr_buf, kv_lens)):
             buf[: src.numel()].copy_(src, non_blocking=True)
-        return True
 
     def _graph_wrapper(self, bs: int):
         if bs not in self.graph_wrappers:

@@ -170,15 +170,16 @@ class CudaGraphRunner:
         self.out_cache_loc[:b].copy_(fb.out_cache_loc)
         if self.spec_hidden is not None:
             self.spec_hidden[:b].copy_(fb.spec_hidden)
-        logits, hidden = self._run_padded(b, bs, list(fb.seq_lens_cpu))
+        logits, hidden = self._run_padded(b, bs, list(fb.seq_lens_cpu), fb.req_rows_cpu)
         return logits[:b], hidden[:b]
 
     def replay_padding(self, bs: int) -> None:
         """Replay the graph of size bs on padding rows only (a DP-attention group with no work of its own
         while the other groups replay this size: it still joins the graph's collectives)."""
-        self._run_padded(0, bs, [])
+        self._run_padded(0, bs, [], [])
 
-    def _run_padded(self, b: int, bs: int, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_padded(self, b: int, bs: int, lens: list[int],
+                    rows: Optional[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         if bs > b:
             self.input_ids[b:bs].zero_()
             self.positions[b:bs].zero_()
@@ -187,9 +188,10 @@ class CudaGraphRunner:
             self.out_cache_loc[b:bs].zero_()
             if self.spec_hidden is not None:
                 self.spec_hidden[b:bs].zero_()
-        lens = lens + [1] * (bs - b)  # host copy of what the static buffers now hold
+        lens = lens + [1] * (bs - b)  # host copies of what the static buffers now hold (rows: when known)
+        rows = None if rows is None else list(rows) + [self.padding_row] * (bs - b)
         batch = dataclasses.replace(self.batches[bs], seq_lens_cpu=lens, prefix_lens_cpu=[n - 1 for n in lens],
-                                    real_tokens=b)
+                                    req_rows_cpu=rows, real_tokens=b)
         self.prepare(batch, bs)
         if bs not in self.graphs:  # built with capture=False
             return self.forward(batch)

@@ -50,7 +50,8 @@ def decode_draft(draft: DraftRunner, pending: Pending, every_row_logits: bool = 
     p, runner = pending, draft.runner
     slots = runner.req_to_token.table[p.rows, p.positions].to(torch.int64)
     fb = tree_batch(p.ids, p.positions, slots, p.host_seq_lens, p.index, runner.max_model_len,
-                    max(p.host_seq_lens, default=1) - 1, req_rows=p.rows, spec_hidden=p.hidden)
+                    max(p.host_seq_lens, default=1) - 1, req_rows=p.rows, spec_hidden=p.hidden,
+                    host_rows=p.host_rows)
     if not every_row_logits:
         fb.logits_indices = p.last
     return draft.forward(fb)

@@ -79,6 +79,7 @@ class Pending:
     index: RowIndex
     last: torch.Tensor  # [B]: each request's last row (its first draft step)
     host_seq_lens: list[int]
+    host_rows: list[int]  # `rows` on the host
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class StepBatch:
                                   _each(kv, topk), last, ids, pos, prow, [1] * t, list(range(t)), hidden_rows,
                                   draft_slots, verify_slots], device)
         pending = Pending(cols[6], cols[7], cols[8], source[cols[11]], RowIndex(cols[10], cols[9]), cols[5],
-                          [p + 1 for p in pos])
+                          [p + 1 for p in pos], prow)
         return cls(rows, kv, cols[0], cols[1], cols[2], cols[3], cols[4], cols[12].view(b, steps - 1, topk),
                    cols[13].view(b, n), pending, index)
 
@@ -120,7 +121,7 @@ def catch_up_pending(reqs, device: torch.device) -> Pending:
     t = len(pos)
     cols = columns_to_device([ids, pos, prow, [1] * t, list(range(t)), hidden_rows, last], device)
     return Pending(cols[0], cols[1], cols[2], source[cols[5]], RowIndex(cols[4], cols[3]), cols[6],
-                   [p + 1 for p in pos])
+                   [p + 1 for p in pos], prow)
 
 
 def _pending_columns(reqs, ends: list[int]) -> tuple:

@@ -26,7 +26,8 @@ def forward_tree(runner: ModelRunner, fb: ForwardBatch, table: TreeTable,
     """The model's (or, with `draft`, the draft's) forward of tree batch `fb` over `table`."""
     rows = runner.req_to_token.write_scratch(table.table)
     if rows is not None:
-        fb = replace(fb, req_pool_indices=rows, req_rows_cpu=None)  # the host copy would be stale
+        first = runner.req_to_token.first_scratch
+        fb = replace(fb, req_pool_indices=rows, req_rows_cpu=list(range(first, first + rows.numel())))
         return draft.forward(fb) if draft is not None else runner.forward(fb)
     if runner.dp is not None:
         runner.dp.before_forward(MTP if draft is not None else TARGET, fb.num_tokens)

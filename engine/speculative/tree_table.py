@@ -65,18 +65,19 @@ def ancestors(parents: torch.Tensor, depths: torch.Tensor, node_ids: torch.Tenso
 
 def tree_batch(input_ids: torch.Tensor, prefix_lens: torch.Tensor, out_cache_loc: torch.Tensor,
                host_seq_lens: list[int], index: RowIndex, max_position: int, host_max_prefix: int,
-               req_rows: Optional[torch.Tensor] = None, spec_hidden: Optional[torch.Tensor] = None) -> ForwardBatch:
+               req_rows: Optional[torch.Tensor] = None, spec_hidden: Optional[torch.Tensor] = None,
+               host_rows: Optional[list[int]] = None) -> ForwardBatch:
     """A DECODE-mode batch with one query row per tree node (or pending position), all tensors on the device.
 
     prefix_lens [R]: each row's position (the KV list holds prefix_len + 1 entries; positions are clamped
     to max_position where host_max_prefix, the largest prefix_len, exceeds it: rows past the context limit
     are computed but never accepted); host_seq_lens: the list lengths on the host (FlashInfer plans from
     them, the torch backend loops over them); index: rows 0..R-1 and ones; req_rows: the table rows
-    (default: scratch-table rows 0..R-1)."""
+    (default: scratch-table rows 0..R-1), host_rows the same on the host where the caller has them."""
     positions = prefix_lens if host_max_prefix <= max_position else prefix_lens.clamp(max=max_position)
     return ForwardBatch(
         mode=ForwardMode.DECODE, input_ids=input_ids, positions=positions,
         req_pool_indices=index.rows if req_rows is None else req_rows, seq_lens=prefix_lens + 1,
         out_cache_loc=out_cache_loc, extend_lens=index.ones, prefix_lens=prefix_lens, logits_indices=index.rows,
         seq_lens_cpu=host_seq_lens, extend_lens_cpu=[1] * len(host_seq_lens),
-        prefix_lens_cpu=[s - 1 for s in host_seq_lens], spec_hidden=spec_hidden)
+        prefix_lens_cpu=[s - 1 for s in host_seq_lens], spec_hidden=spec_hidden, req_rows_cpu=host_rows)

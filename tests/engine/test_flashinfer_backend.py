@@ -86,9 +86,9 @@ def _fake_backend_engine(monkeypatch, **backend_kw):
     return ref, eng, backend
 
 
-def _fake_engine(monkeypatch, engine_kw: dict, **backend_kw):
+def _fake_engine(monkeypatch, engine_kw: dict, internals: bool = True, **backend_kw):
     """An engine whose attention is the FlashInfer backend over tests/engine/fake_flashinfer.py, and that backend."""
-    fake_flashinfer.install(monkeypatch)
+    fake_flashinfer.install(monkeypatch, internals)
     eng = Engine(**engine_kw)
     r, cfg = eng.runner, eng.runner.config
     backend = fi.FlashInferAttentionBackend(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
@@ -164,3 +164,27 @@ def test_decode_only_leaves_the_batch_sizes_a_tuned_table_gives_triton(monkeypat
     assert backend.decodes_at(1) is False and backend.decodes_at(8) is True
     backend.decode_only = False
     assert backend.decodes_at(1) is True
+
+
+@pytest.mark.parametrize("internals", [True, False], ids=["in-place", "gathered"])
+def test_graph_batches_plan_over_the_request_table(monkeypatch, internals):
+    """Decode through padded static (CUDA-graph) batches, graphs run eagerly on CPU: with FlashInfer 0.7's planner
+    internals the graph wrappers read the request table in place (no page buffer of their own; the raw planner
+    re-plans every step and the backend copies its schedule), without them they gather each step's pages and plan
+    through plan(). Greedy tokens and log-probs equal the torch reference's either way."""
+    kw = dict(model="tiny", device="cpu", dtype="float32", attention_backend="torch", moe_backend="torch")
+    ref = _rounds(Engine(**kw))
+    eng, backend = _fake_engine(monkeypatch, kw, internals=internals, max_graph_bs=4)
+    eng.runner.build_graph_runner([1, 2, 4], capture=False)
+    wrapper_cls = fake_flashinfer.BatchMLAPagedAttentionWrapper
+    plans, replans = wrapper_cls.plans, wrapper_cls.replans
+    table = eng.runner.req_to_token.table.clone()
+    got = _rounds(eng)
+    assert backend.in_place is internals and set(backend.graph_wrappers) <= {1, 2, 4} and backend.graph_wrappers
+    if internals:
+        assert backend.graph_indices is None and wrapper_cls.replans - replans >= 20
+        assert wrapper_cls.plans - plans == len(backend.graph_wrappers) + 3  # one per new wrapper, per round's prefill
+    else:
+        assert backend.graph_indices is not None and wrapper_cls.replans == replans
+    assert eng.runner.req_to_token.table.shape == table.shape
+    _assert_same(ref, got)

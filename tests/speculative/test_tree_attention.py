@@ -35,11 +35,13 @@ def test_selection_keeps_parents_and_orders_them_first():
     assert tokens[0] == [7, 10, 11, 12, 13] and parents[0] == [-1, 0, 0, 1, 1] and depths[0] == [0, 1, 1, 2, 2]
 
 
-@pytest.mark.parametrize("decode_only", [False, True], ids=["flashinfer", "flashinfer-decode"])
-def test_flashinfer_page_table_path_identical(monkeypatch, decode_only):
+@pytest.mark.parametrize("decode_only,graphs", [(False, False), (True, False), (True, True)],
+                         ids=["flashinfer", "flashinfer-decode", "flashinfer-decode-graphs"])
+def test_flashinfer_page_table_path_identical(monkeypatch, decode_only, graphs):
     """Speculative decoding over the FlashInfer backend: tree forwards' KV lists become page tables; with
     decode_only ('flashinfer-decode') the verify forwards run the Triton backend and the draft's decode steps
-    FlashInfer's."""
+    FlashInfer's. With graphs (padded static batches, run eagerly on CPU) the tree forwards run from the request
+    table's scratch rows, which the graph wrappers read in place."""
     off = Engine(model="tiny", **FLAGS)
     ps = prompts(off.config.vocab_size, n=4, seed=6)
     sp = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
@@ -49,8 +51,12 @@ def test_flashinfer_page_table_path_identical(monkeypatch, decode_only):
     r, cfg = eng.runner, eng.runner.config
     r.forward_ctx.attn_backend = fi.FlashInferAttentionBackend(
         cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, torch.float32,
-        torch.float32, 1.0, r.device, r.req_to_token.table.shape[1], decode_only=decode_only)
-    before = fake_flashinfer.BatchMLAPagedAttentionWrapper.plans
+        torch.float32, 1.0, r.device, r.req_to_token.table.shape[1], decode_only=decode_only, max_graph_bs=16)
+    if graphs:
+        r.build_graph_runner([1, 2, 4, 8, 16], capture=False)
+    before = fake_flashinfer.BatchMLAPagedAttentionWrapper.plans + fake_flashinfer.BatchMLAPagedAttentionWrapper.replans
     got = eng.generate(input_ids=ps, sampling_params=sp)
-    assert fake_flashinfer.BatchMLAPagedAttentionWrapper.plans > before
+    assert fake_flashinfer.BatchMLAPagedAttentionWrapper.plans + fake_flashinfer.BatchMLAPagedAttentionWrapper.replans \
+        > before
+    assert r.forward_ctx.attn_backend.in_place is (True if graphs else None)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
