@@ -1,6 +1,6 @@
 """Check and time the MLA attention kernels on a CUDA GPU at DeepSeek-V3 shapes.
 
-    python benchmarks/bench_mla.py [--sweep] [--sweep-extend] [--kv-loads split,fp8dot,tile8] [--heads 16,128]
+    python benchmarks/bench_mla.py [--sweep] [--sweep-extend] [--kv-loads split,fp8dot] [--heads 16,128]
                                    [--no-extend] [--out DIR]
 
 1. Measures the device-to-device copy bandwidth (bytes read + written) and the bf16
@@ -8,8 +8,8 @@
 2. --sweep / --sweep-extend: try launch configs of the decode / extend kernel on a
    few shapes and keep the fastest per class (heads x KV dtype); the tables then
    use those (and print them, with the kv_load each winner uses). Without, the
-   kernels' default configs are used. FP8 caches try the load modes "split",
-   "fp8dot" and "tile8" (kernels/mla_decode.py KV_LOADS); --kv-loads picks which, and when given
+   kernels' default configs are used. FP8 caches try the load modes "split" and
+   "fp8dot" (kernels/mla_decode.py KV_LOADS); --kv-loads picks which, and when given
    the tables show one FP8 row per listed mode (its own sweep winner, or without
    --sweep the default config in that mode) to compare them side by side.
 3. MLA decode (absorbed, latent 512 + rope 64): 16 heads (TP 8) and 128 heads
@@ -157,7 +157,7 @@ def time_decode(case, heads, kv_dtype, cfg) -> float:
     return bench_graph(decode_fn(case, q, q_pe, kv_dtype, cfg, out=out))
 
 
-FP8_KV_LOADS = ("split", "fp8dot", "tile8")  # load modes for FP8 caches (bf16 always "tile")
+FP8_KV_LOADS = ("split", "fp8dot")  # load modes for FP8 caches (bf16 always "tile")
 
 
 def decode_candidates(heads: int, kv_dtype, kv_loads=FP8_KV_LOADS) -> list[DecodeConfig]:
@@ -182,9 +182,6 @@ def decode_candidates(heads: int, kv_dtype, kv_loads=FP8_KV_LOADS) -> list[Decod
         block_hs = (16, 64) if heads <= 16 else (64,)
         out += [DecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st, kv_load="fp8dot", fp16_math=True)
                 for bh in block_hs for bn in (32, 64) for w in (4, 8) for st in (2, 3)]
-    if "tile8" in kv_loads:  # one 8-bit tile upcast by inline PTX for both dots (mma.sync head blocks of 16-32 rows)
-        out += [DecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st, kv_load="tile8", fp16_math=True)
-                for bh, bn, w, st in shapes if bh <= 32]
     return out
 
 
@@ -194,8 +191,6 @@ def untuned_config(heads: int, kv_dtype, kv_load: str | None = None) -> DecodeCo
     cfg = default_config(heads, kv_dtype)
     if kv_load is None or kv_dtype != FP8 or kv_load == cfg.kv_load:
         return cfg
-    if kv_load == "tile8":  # the same tile, fp16 dots
-        return replace(cfg, kv_load="tile8", fp16_math=True)
     if kv_load == "fp8dot":  # 16 heads: 64-row blocks; block_n 32 / 3 stages fit shared memory (--sweep, H100)
         return replace(cfg, kv_load="fp8dot", block_h=64, block_n=32, num_warps=8, num_stages=3, fp16_math=True)
     # "split" at 128 heads: its own best (bf16 dots, 2 stages), as default_config chose before fp8dot

@@ -72,28 +72,23 @@ _LOG2E = 1.4426950408889634
 #             reference on the same FP8 cache) 1.6-3.0% relative on the output at softmax
 #             scale 0.06 (8% at a sharp 0.3), against 0.3-0.5% for "split"; 0.5-0.8x of
 #             what the cache's own e4m3 quantisation costs (tests/kernels/test_mla_decode.py).
-#   "tile8":  8-bit caches as "tile": one [BLOCK_N, Lkv+R] tile feeds both dots, upcast to
-#             float16 once by inline PTX (`_upcast_fp8`), so each cached row is read once
-#             (not twice as with "split") and shared memory holds one 8-bit tile per stage (92 KB
-#             against 160 KB at 16 heads, block_n 64, 3 stages). Triton still applies the
-#             conversion in the dots' operand layout: offline sm_90 compile, 1,088 loop
-#             instructions per tile against "split"'s 1,309 (bf16's "tile": 705). Written
-#             after the H200 was spent: not yet timed; `dsctl tune-mla` and `bench_mla.py
-#             --kv-loads split,tile8` time it; the defaults do not use it.
 # (Measured on H100 and dropped, see docs/perf.md: FP8 read as 32-bit words and
 # upcast with inline PTX, alone or for V only; both were slower than "split". Measured on
 # H200 and dropped, 16 heads (docs/perf.md, issue 40): V, or the whole tile feeding both
 # dots, read as 32-bit words and upcast with shifts and bitcasts before Triton lays it out
 # for the dots, so that p.V reads a 16-bit tile with ldmatrix.trans instead of one byte per
 # shared-memory load (102 shared loads per thread per tile against 222, 176-184 registers
-# against 235): 1.12-1.21x "split"'s time for V alone, 1.23-1.52x for the whole tile.)
+# against 235): 1.12-1.21x "split"'s time for V alone, 1.23-1.52x for the whole tile. Also dropped:
+# one 8-bit tile per stage feeding both dots, upcast once by inline-PTX cvt (e4m3x2 -> f16x2) before
+# Triton lays it out (1,088 loop instructions per tile against "split"'s 1,309, 92 KB of shared
+# memory against 160 KB): 1.00-1.14x "split"'s time at batch 8-128, context 4k-16k.)
 # At 128 heads (64-row head groups, 8 warps) Triton 3.6 treats q.k as a dot chained into p.V and
 # gives it all 8 warps along its 64 rows, so both warpgroups compute the same q.k (74 wgmma
 # instructions per tile instead of 38); the 64 x 512 fp32 accumulator holds 255 registers. Measured
 # on H200 and dropped (docs/perf.md, issue 40): token-major scores (S^T = K q^T, O^T = V^T P^T;
 # 1.1-3x slower, spills), p through a global scratch tile to unchain the dots (the barriers it needs
 # stop the cp.async pipelining: 1.2x slower), rescaling the accumulator only when a row max grows.
-KV_LOADS = {"tile": 0, "split": 1, "fp8dot": 2, "tile8": 3}
+KV_LOADS = {"tile": 0, "split": 1, "fp8dot": 2}
 
 
 @dataclass(frozen=True)
@@ -139,31 +134,6 @@ def fp8_operand(x, INTERPRET: tl.constexpr):
     if INTERPRET:
         x = x.to(tl.float32)
     return x
-
-
-def _fp8x4_to_f16_asm(fmt: str) -> str:
-    """PTX: the four 8-bit values of $2 (format fmt, e4m3 or e5m2) as float16 pairs $0 (values 0, 1), $1 (2, 3)."""
-    return ("{\n.reg .b16 l, h;\nmov.b32 {l, h}, $2;\n"
-            f"cvt.rn.f16x2.{fmt}x2 $0, l;\ncvt.rn.f16x2.{fmt}x2 $1, h;\n}}")
-
-
-_E4M3X4_TO_F16 = tl.constexpr(_fp8x4_to_f16_asm("e4m3"))
-_E5M2X4_TO_F16 = tl.constexpr(_fp8x4_to_f16_asm("e5m2"))
-
-
-@triton.jit
-def _upcast_fp8(x, INTERPRET: tl.constexpr):
-    """An 8-bit tile as float16 ("tile8"): on the GPU one inline-PTX cvt per two values, on bytes Triton cannot
-    carry into the dots' operand layout by itself (exact: every e4m3 / e5m2 value is a float16); in the
-    interpreter the same values by Triton's cast."""
-    if INTERPRET:
-        return x.to(tl.float16)
-    elif x.dtype == tl.float8e5:
-        return tl.inline_asm_elementwise(_E5M2X4_TO_F16, "=r,=r,r", [x.to(tl.int8, bitcast=True)], dtype=tl.float16,
-                                         is_pure=True, pack=4)
-    else:
-        return tl.inline_asm_elementwise(_E4M3X4_TO_F16, "=r,=r,r", [x.to(tl.int8, bitcast=True)], dtype=tl.float16,
-                                         is_pure=True, pack=4)
 
 
 @triton.jit
@@ -270,12 +240,9 @@ def _mla_decode_stage1(
             loc = loc_next.to(tl.int64)
             loc_next = tl.load(idx_ptr + next_n, mask=next_n < end, other=0)
             row_ptr = KV + loc[:, None] * stride_kv
-            if KV_LOAD == 0 or KV_LOAD == 3:
+            if KV_LOAD == 0:
                 kv = tl.load(row_ptr + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
                 kpe = tl.load(row_ptr + LKV + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-                if KV_LOAD == 3:  # "tile8": one 8-bit tile, upcast once for both dots
-                    kv = _upcast_fp8(kv, INTERPRET)
-                    kpe = _upcast_fp8(kpe, INTERPRET)
                 kv = dot_operand(kv, COMPUTE_DTYPE, INTERPRET)
                 qk = tl.dot(q, tl.trans(kv))
                 qk += tl.dot(qpe, tl.trans(dot_operand(kpe, COMPUTE_DTYPE, INTERPRET)))
@@ -440,19 +407,16 @@ def _fp8_dots(device_index: int) -> bool:
 
 
 def _kv_load(requested: str, kv_dtype: torch.dtype, device: torch.device) -> str:
-    """The KV load mode that runs: 8-bit caches "split", "tile8" where requested, or "fp8dot" where
-    requested, the cache is float8_e4m3fn (e5m2 has no e4m3 dot partner here: "split") and the GPU has
-    FP8 dots (or this is the CPU interpreter); 16/32-bit caches the requested mode, "fp8dot" and "tile8"
-    there meaning "tile"."""
+    """The KV load mode that runs: 8-bit caches "split", or "fp8dot" where requested, the cache is
+    float8_e4m3fn (e5m2 has no e4m3 dot partner here: "split") and the GPU has FP8 dots (or this is
+    the CPU interpreter); 16/32-bit caches the requested mode, "fp8dot" there meaning "tile"."""
     if requested not in KV_LOADS:
         raise ValueError(f"kv_load must be one of {sorted(KV_LOADS)}, got {requested!r}")
-    if kv_dtype.itemsize == 1:  # 8-bit tiles need one dot per load, or the explicit upcast of "tile8"
-        if requested == "tile8":
-            return "tile8"
+    if kv_dtype.itemsize == 1:  # 8-bit tiles need one dot per load
         fp8_dots = device.type != "cuda" or _fp8_dots(device.index if device.index is not None
                                                       else torch.cuda.current_device())
         return "fp8dot" if requested == "fp8dot" and kv_dtype == torch.float8_e4m3fn and fp8_dots else "split"
-    return "tile" if requested in ("fp8dot", "tile8") else requested
+    return "tile" if requested == "fp8dot" else requested
 
 
 def mla_decode(q_nope_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,

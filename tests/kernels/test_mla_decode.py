@@ -102,17 +102,16 @@ def test_splits_do_not_change_the_result():
     assert _rel(many, one) < 5e-3
 
 
-@pytest.mark.parametrize("scale_as_tensor,fp16_math,fp8,kv_load", [
-    (False, True, FP8, "split"), (True, True, FP8, "split"), (False, False, FP8, "split"),
-    (False, True, torch.float8_e5m2, "split"), (False, True, FP8, "tile8"), (True, False, torch.float8_e5m2, "tile8")])
-def test_fp8_cache_within_quantisation_error(scale_as_tensor, fp16_math, fp8, kv_load):
+@pytest.mark.parametrize("scale_as_tensor,fp16_math,fp8", [(False, True, FP8), (True, True, FP8), (False, False, FP8),
+                                                          (False, True, torch.float8_e5m2)])
+def test_fp8_cache_within_quantisation_error(scale_as_tensor, fp16_math, fp8):
     c = _case([51, 9, 77], 8, 64, 32, seed=11)
     master = c["cache"] * 3.0  # values well inside the format's range after scaling
     scale = master.abs().max().item() / torch.finfo(fp8).max
     kv8 = (master / scale).to(fp8)
     kv_scale = torch.tensor(scale, device=master.device) if scale_as_tensor else scale
     got = _run(c, kv8, 0.05, num_kv_splits=2, kv_scale=kv_scale,
-               config=DecodeConfig(kv_load=kv_load, fp16_math=fp16_math))
+               config=DecodeConfig(kv_load="split", fp16_math=fp16_math))
     # 1) Same function as the reference on the dequantised cache, at bf16 accuracy.
     ref_q = _ref(c, kv8, 0.05, kv_scale=scale)
     assert _rel(got, ref_q) < 1.5e-2
@@ -138,12 +137,12 @@ def test_fp8_upcast_is_exact_for_every_e4m3_value():
     q_pe = torch.zeros(1, 16, rope, device=DEVICE)
     for slot in range(rows):
         table = torch.tensor([[slot]], dtype=torch.int32, device=DEVICE)
-        for fp16_math, kv_load in ((False, "split"), (True, "split"), (False, "tile8"), (True, "tile8")):
+        for fp16_math in (False, True):
             out = mla_decode(q, q_pe, kv.to(DEVICE), table, torch.tensor([0], device=DEVICE),
                              torch.tensor([1], device=DEVICE), 0.1, kv_scale=0.5,
-                             config=DecodeConfig(kv_load=kv_load, block_n=16, fp16_math=fp16_math))
+                             config=DecodeConfig(kv_load="split", block_n=16, fp16_math=fp16_math))
             expect = kv[slot, :lkv].float().to(DEVICE) * 0.5
-            assert torch.equal(out[0, 3], expect), (slot, fp16_math, kv_load)
+            assert torch.equal(out[0, 3], expect), (slot, fp16_math)
 
 
 def test_fp16_math_keeps_huge_queries_finite():
