@@ -17,12 +17,18 @@ detokenized for the incremental stop-string check (uses the built-in tiny model'
 many new ones are admitted (prefill steps then alternate with decode steps; both are timed).
 `--waiting N` queues N more requests that the KV pool cannot hold (the request table could), so
 every step also tries, and fails, to admit one. `--mixed` turns mixed batches on (--enable-mixed-chunk:
-the decodes run inside the prefill steps instead of alternating with them).
+the decodes run inside the prefill steps instead of alternating with them). The run also reports the
+garbage collector's generation-2 (full) collections over the whole run (the prefill of the requests
+included: a burst of arrivals), the longest one, and what one forced after the prefill takes; `--freeze-heap` first freezes the heap alive
+before any request (imports, the scheduler) out of collections, as `dsctl serve`'s processes do at the
+end of start-up (engine/runtime/heap.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -36,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.args import SchedulerArgs  # noqa: E402
 from engine.memory.pools import KVPool, ReqToTokenPool  # noqa: E402
+from engine.runtime.heap import freeze_startup_heap  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.scheduler.processor import OutputProcessor  # noqa: E402
 from engine.scheduler.request import Request  # noqa: E402
@@ -131,6 +138,9 @@ def run(opts) -> dict:
         sched.step()
         sched.take_outputs()
     prefill_s = time.perf_counter() - t
+    t = time.perf_counter()
+    gc.collect()  # what one full collection costs now (all of the heap, or what the requests added to a frozen one)
+    full_collection_s = time.perf_counter() - t
     for _ in range(opts.waiting):
         sched.add(new_request())
     if opts.waiting:  # reserve every token the running requests may still generate: the pool has no room left
@@ -151,7 +161,27 @@ def run(opts) -> dict:
             "waiting": len(sched.waiting),
             "running_at_end": len(sched.running), "decode_steps": stats["decode_steps"] - decode_steps0,
             "steps": len(ms), "mean_ms": statistics.fmean(ms), "median_ms": statistics.median(ms),
-            "p90_ms": sorted(ms)[int(0.9 * (len(ms) - 1))], "setup_prefill_s": prefill_s}
+            "p90_ms": sorted(ms)[int(0.9 * (len(ms) - 1))], "max_ms": max(ms), "setup_prefill_s": prefill_s,
+            "forced_full_collection_ms": full_collection_s * 1e3}
+
+
+@contextlib.contextmanager
+def _full_collections():
+    """The seconds of every generation-2 collection while the block runs."""
+    seconds, start = [], [0.0]
+
+    def hook(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                start[0] = time.perf_counter()
+            else:
+                seconds.append(time.perf_counter() - start[0])
+
+    gc.callbacks.append(hook)
+    try:
+        yield seconds
+    finally:
+        gc.callbacks.remove(hook)
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -165,16 +195,28 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--churn", type=int, default=0, help="about this many requests finish (and start) per step")
     ap.add_argument("--waiting", type=int, default=0, help="requests queued that the KV pool cannot hold")
     ap.add_argument("--mixed", action="store_true", help="mixed batches: decodes inside prefill steps (with --churn)")
+    ap.add_argument("--freeze-heap", action="store_true", help="freeze the heap out of garbage collection first")
     opts = ap.parse_args(argv)
     torch.set_num_threads(1)  # host work is single-threaded; extra threads only add noise here
-    res = run(opts)
+    if opts.freeze_heap:
+        freeze_startup_heap("bench")
+    try:
+        with _full_collections() as full:
+            res = run(opts)
+    finally:
+        if opts.freeze_heap:
+            gc.unfreeze()
+    res.update(full_collections=len(full), longest_full_collection_ms=max(full, default=0.0) * 1e3)
     print(f"{res['requests']} requests x {res['context']} context, stop strings {'on' if res['stop'] else 'off'}"
           f"{', churn ' + str(res['churn']) + '/step' if res['churn'] else ''}"
           f"{', ' + str(res['waiting']) + ' waiting' if res['waiting'] else ''}"
           f"{', mixed batches' if opts.mixed else ''}: "
           f"{res['mean_ms']:.3f} ms/step mean, {res['median_ms']:.3f} median, {res['p90_ms']:.3f} p90 "
           f"over {res['steps']} steps ({res['decode_steps']} decode steps; scheduler + output processing, "
-          f"fake forward excluded)")
+          f"fake forward excluded; the longest {res['max_ms']:.1f} ms); {res['full_collections']} full garbage "
+          f"collections in the whole run (prefill included), the longest {res['longest_full_collection_ms']:.1f} ms; "
+          f"one forced after the prefill {res['forced_full_collection_ms']:.1f} ms"
+          f"{' (the start-up heap frozen first)' if opts.freeze_heap else ''}")
     return res
 
 

@@ -50,6 +50,7 @@ from engine.errors import DsctlError
 from engine.runner.model_runner import timed
 from engine.runtime import protocol
 from engine.runtime.dp_controller import DPController, waiting_tokens
+from engine.runtime.heap import freeze_startup_heap, warn_slow_collections
 from engine.runtime.process_clock import process_age_s
 from engine.runtime.profiling import RankProfiler, as_json
 from engine.sampling import SamplingParams
@@ -316,6 +317,8 @@ def engine_main(local_rank: int, args: EngineArgs, inbox: Optional[Connection], 
         engine.runner.reset_expert_load()  # the counts start with serving
         engine.runner.late_compiles.start_serving()  # a compile from here on stalls a request's step
         _log_startup(rank, entered_after, engine.startup)
+        freeze_startup_heap(f"rank {rank}")
+        warn_slow_collections(f"rank {rank}")
     except BaseException as exc:  # noqa: BLE001 - report any startup failure to the server
         msg = str(exc) if isinstance(exc, DsctlError) else traceback.format_exc()
         if outbox is None:

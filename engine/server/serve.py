@@ -27,6 +27,7 @@ from engine.args import EngineArgs
 from engine.checkpoint.tokenizer import load_tokenizer
 from engine.errors import DsctlError, UsageError
 from engine.runtime.client import EngineClient
+from engine.runtime.heap import freeze_startup_heap, warn_slow_collections
 from engine.runtime.launch_checks import check_launch, launch_args
 from engine.runtime.node_ranks import serve_ranks_only
 from engine.runtime.process_clock import process_age_s
@@ -126,6 +127,8 @@ def serve(args: EngineArgs) -> None:
         sock.close()
         raise
     _log_startup(launched_after, time.perf_counter() - launching)
+    freeze_startup_heap("server")  # imports, tokenizer and app (the ranks freeze theirs once warmed up)
+    warn_slow_collections("server")
     config = uvicorn.Config(app, host=http.host, port=http.port, log_level=http.log_level,
                             timeout_graceful_shutdown=http.graceful_shutdown_timeout + ABORT_GRACE_S,
                             access_log=http.log_level == "debug")
