@@ -8,8 +8,10 @@ bf16 and FP8 (e4m3) KV. Every kernel is first checked against `mla_decode_ref` (
 same cache), then timed as one CUDA-graph replay (FlashInfer planned on the host before
 capture, as the engine does), median of do_bench with L2 flushed before every replay.
 GB/s counts the KV bytes read once. A backend FlashInfer refuses for a case is reported as
-such. Then the host cost of planning one decode step (the engine's FlashInferAttentionBackend):
-FlashInfer's public plan() vs the backend's re-plan of an already captured graph wrapper.
+such. Then the host cost of planning one CUDA-graph decode step (the engine's FlashInferAttentionBackend,
+`--plan-only` for this table alone): FlashInfer's public plan(), the re-plan of a wrapper that gathers the
+batch's pages into its own buffer, and the engine's default, a wrapper that reads the request table in place
+(its output checked against the gathering one's).
 Prints the tables last; writes bench_flashinfer_mla.json to --out.
 """
 

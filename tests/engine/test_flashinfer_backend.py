@@ -36,6 +36,9 @@ def test_kv_page_indices_gathers_each_requests_slots():
 
 
 CUDA = torch.device("cuda")
+# flashinfer-decode's other forwards run its Triton backend, here on CPU tensors: Triton's interpreter
+CPU_TRITON = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton fallback on CPU tensors (the "
+                                "interpreter); on a GPU tests/gpu/test_flashinfer.py runs flashinfer-decode")
 
 
 @pytest.mark.parametrize("kw,needle", [
@@ -112,6 +115,7 @@ def test_backend_plumbing_matches_torch_reference(monkeypatch):
     _assert_same(ref, got)
 
 
+@CPU_TRITON
 def test_decode_only_runs_extends_on_triton(monkeypatch):
     """'flashinfer-decode': decode forwards are planned and run by FlashInfer, every extend (fresh prompts, prompts
     over a cached prefix) by the Triton backend it keeps; outputs equal the torch reference's."""
@@ -132,6 +136,7 @@ def test_decode_only_runs_extends_on_triton(monkeypatch):
     _assert_same(ref, got)
 
 
+@CPU_TRITON
 def test_decode_only_leaves_the_batch_sizes_a_tuned_table_gives_triton(monkeypatch, caplog):
     """'flashinfer-decode' with this GPU's MLA decode table (`dsctl tune-mla`) saying the Triton kernel is faster at
     one request: those decode steps run the Triton backend (no FlashInfer plan), the others FlashInfer; outputs equal
