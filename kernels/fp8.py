@@ -126,20 +126,21 @@ def quant_tile(x, EXACT_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg, eps,
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, sum_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg, eps,
                         GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, EXACT_ROUND: tl.constexpr,
-                        DEINTERLEAVE: tl.constexpr = False, PDL: tl.constexpr = False):
+                        DEINTERLEAVE: tl.constexpr = False, SUMS: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     quant_groups(x_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1), K, stride_xm, stride_qm, stride_sm,
-                 stride_sg, eps, GROUP, GROUPS_PER_PROG, EXACT_ROUND, DEINTERLEAVE)
+                 stride_sg, eps, GROUP, GROUPS_PER_PROG, EXACT_ROUND, DEINTERLEAVE, sum_ptr, SUMS)
 
 
 @triton.jit
 def quant_groups(x_ptr, q_ptr, s_ptr, row, gblk, K, stride_xm, stride_qm, stride_sm, stride_sg, eps,
                  GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, EXACT_ROUND: tl.constexpr,
-                 DEINTERLEAVE: tl.constexpr = False):
+                 DEINTERLEAVE: tl.constexpr = False, sum_ptr=None, SUMS: tl.constexpr = False):
     """Quantise groups [gblk * GROUPS_PER_PROG, +GROUPS_PER_PROG) of one row (also used by the MoE prologue).
-    DEINTERLEAVE stores each group's even columns first, then its odd ones (`deinterleave_groups`)."""
+    DEINTERLEAVE stores each group's even columns first, then its odd ones (`deinterleave_groups`). SUMS also
+    stores each group's sum of its quantised values (before the scale) at sum_ptr, laid out as the scales."""
     row = row.to(tl.int64)
     g = gblk * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -154,6 +155,8 @@ def quant_groups(x_ptr, q_ptr, s_ptr, row, gblk, K, stride_xm, stride_qm, stride
     q = round_to_e4m3_grid(q, EXACT_ROUND)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g * GROUP < K)
+    if SUMS:
+        tl.store(sum_ptr + row * stride_sm + g * stride_sg, tl.sum(q, axis=1), mask=g * GROUP < K)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -273,12 +276,14 @@ def check_deinterleave(k: int, group_size: int, deinterleave: bool) -> None:
 
 
 def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP_SIZE, column_major_scales: bool = False,
-                              eps: float = ACT_EPS, deinterleave: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                              eps: float = ACT_EPS, deinterleave: bool = False, sums: bool = False) -> tuple:
     """x [..., K] (last dim contiguous) -> (q [..., K] e4m3, scale [..., ceil(K/group)] float32).
 
     With `column_major_scales` the scale of a 2-D x is a [M, G] view of a [G, M]
     buffer (stride (1, M)), the layout the block GEMM reads fastest. With `deinterleave` q holds each
     group's even columns, then its odd ones (kernels.fp8_math.deinterleave_groups; whole groups only).
+    With `sums` a third tensor, laid out as the scales: each group's sum of its quantised values (unscaled,
+    float32), what the W4AFP8 GEMM's INT4 offset correction needs (kernels/w4a8_gemm.py).
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -293,13 +298,15 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP_SIZE, col
         s = torch.empty((g, m), dtype=torch.float32, device=x.device).t()
     else:
         s = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    total = torch.empty_strided(s.shape, s.stride(), dtype=torch.float32, device=x.device) if sums else s
     if m and k:
         gpp = groups_per_program(g, group_size)
         _group_quant_kernel[(m, cdiv(g, gpp))](
-            x2, q, s, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), eps,
+            x2, q, s, total, k, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), eps,
             GROUP=group_size, GROUPS_PER_PROG=gpp, EXACT_ROUND=interpreting(), DEINTERLEAVE=deinterleave,
-            num_warps=4, **launch_options())
-    return q.view(*lead, k), (s if column_major_scales else s.view(*lead, g))
+            SUMS=sums, num_warps=4, **launch_options())
+    out = (q.view(*lead, k), (s if column_major_scales else s.view(*lead, g)))
+    return out + ((total if column_major_scales else total.view(*lead, g)),) if sums else out
 
 
 def block_fp8_matmul(a: torch.Tensor, b_fp8: torch.Tensor, b_scale: torch.Tensor,

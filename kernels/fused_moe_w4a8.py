@@ -30,7 +30,7 @@ from kernels.fp8_math import dequant_groups, quantize_groups
 from kernels.int4 import dequant_int4
 from kernels.moe_common import align_and_quant, check_routing, moe_inputs, moe_sum, split_config
 from kernels.tuned_configs import get_moe_config
-from kernels.w4a8_gemm import launch_w4a8_gemm, swapped
+from kernels.w4a8_gemm import act_sums, launch_w4a8_gemm, swapped
 
 DTYPE_NAME = "w4afp8"  # the tuned-config files' dtype= part
 
@@ -113,12 +113,16 @@ def fused_moe_w4a8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     cfg = config or get_moe_config(e, n, t, inp.top_k, DTYPE_NAME, device=x.device)
     up_cfg, down_cfg = split_config(cfg)
 
-    al, a1, a1_s = align_and_quant(inp.x, inp.ids, e, cfg["BLOCK_SIZE_M"], g1, deinterleave=swapped(up_cfg, g1))
+    al, a1, a1_s, *a1_sum = align_and_quant(inp.x, inp.ids, e, cfg["BLOCK_SIZE_M"], g1,
+                                            deinterleave=swapped(up_cfg, g1), sums=act_sums(up_cfg, g1))
     h = torch.empty((inp.num_valid, n), dtype=inp.inter_dtype, device=x.device)
-    launch_w4a8_gemm(a1, a1_s, w13, w13_scale, h, inp.weights, al, group=g1, cfg=up_cfg, **inp.up_gemm(n, k))
-    a2, a2_s = per_token_group_quant_fp8(h, g2, deinterleave=swapped(down_cfg, g2))
+    launch_w4a8_gemm(a1, a1_s, w13, w13_scale, h, inp.weights, al, group=g1, cfg=up_cfg,
+                     a_sum=a1_sum[0] if a1_sum else None, **inp.up_gemm(n, k))
+    a2, a2_s, *a2_sum = per_token_group_quant_fp8(h, g2, deinterleave=swapped(down_cfg, g2),
+                                                  sums=act_sums(down_cfg, g2))
     y = torch.empty((inp.num_valid, k), dtype=inp.inter_dtype, device=x.device)
-    launch_w4a8_gemm(a2, a2_s, w2, w2_scale, y, inp.weights, al, group=g2, cfg=down_cfg, **inp.down_gemm(n, k))
+    launch_w4a8_gemm(a2, a2_s, w2, w2_scale, y, inp.weights, al, group=g2, cfg=down_cfg,
+                     a_sum=a2_sum[0] if a2_sum else None, **inp.down_gemm(n, k))
     return moe_sum(y, inp, e)
 
 

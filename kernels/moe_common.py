@@ -136,10 +136,11 @@ def split_config(cfg: dict) -> tuple[dict, dict]:
 
 @triton.jit
 def _moe_prologue_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, npp_ptr, n_chunks, E, numel, n_blocks,
-                         x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, n_gblk,
+                         x_ptr, q_ptr, s_ptr, sum_ptr, K, stride_xm, stride_qm, stride_sm, n_gblk,
                          CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
                          FILL: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-                         EXACT_ROUND: tl.constexpr, DEINTERLEAVE: tl.constexpr = False, PDL: tl.constexpr = False):
+                         EXACT_ROUND: tl.constexpr, DEINTERLEAVE: tl.constexpr = False, SUMS: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     """One launch for two independent jobs: program 0 aligns the routing (small inputs), the
     others quantise x in 1 x GROUP groups for the gate_up GEMM."""
     pdl_enter(PDL)
@@ -150,32 +151,34 @@ def _moe_prologue_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, npp_ptr, n_chu
     else:
         r = pid - 1
         quant_groups(x_ptr, q_ptr, s_ptr, r // n_gblk, r % n_gblk, K, stride_xm, stride_qm, stride_sm, 1,
-                     1e-10, GROUP, GROUPS_PER_PROG, EXACT_ROUND, DEINTERLEAVE)
+                     1e-10, GROUP, GROUPS_PER_PROG, EXACT_ROUND, DEINTERLEAVE, sum_ptr, SUMS)
 
 
 def align_and_quant(x: torch.Tensor, ids: torch.Tensor, num_experts: int, block_m: int, group: int,
-                    deinterleave: bool = False) -> tuple[MoEAlignment, torch.Tensor, torch.Tensor]:
-    """(MoEAlignment of ids [T * top_k], x [T, K] in e4m3, its 1 x group scales): one launch (the
-    prologue) for decode-sized routings, else the alignment's launches and a quantisation. `deinterleave`:
-    x's columns in kernels.fp8_math.deinterleave_groups order (whole groups only)."""
+                    deinterleave: bool = False, sums: bool = False) -> tuple:
+    """(MoEAlignment of ids [T * top_k], x [T, K] in e4m3, its 1 x group scales[, the groups' sums]): one
+    launch (the prologue) for decode-sized routings, else the alignment's launches and a quantisation.
+    `deinterleave`: x's columns in kernels.fp8_math.deinterleave_groups order (whole groups only); `sums`: as
+    kernels.fp8.per_token_group_quant_fp8's."""
     plan = align_plan(ids.numel(), num_experts, block_m)
     if not plan.small:
         return (moe_align_block_size(ids, block_m, num_experts),
-                *per_token_group_quant_fp8(x, group, deinterleave=deinterleave))
+                *per_token_group_quant_fp8(x, group, deinterleave=deinterleave, sums=sums))
     t, k = x.shape
     check_deinterleave(k, group, deinterleave)
     g = triton.cdiv(k, group)
     al = plan.empty(x.device)
     xq = torch.empty((t, k), dtype=FP8_DTYPE, device=x.device)
     xs = torch.empty((t, g), dtype=torch.float32, device=x.device)
+    total = torch.empty((t, g), dtype=torch.float32, device=x.device) if sums else xs
     gpp = groups_per_program(g, group)
     n_gblk = triton.cdiv(g, gpp)
     _moe_prologue_kernel[(1 + t * n_gblk,)](
         ids, al.sorted_ids, al.expert_ids, al.num_post_pad, plan.n_chunks, plan.num_experts, plan.numel,
-        plan.n_blocks, x, xq, xs, k, x.stride(0), xq.stride(0), xs.stride(0), n_gblk,
+        plan.n_blocks, x, xq, xs, total, k, x.stride(0), xq.stride(0), xs.stride(0), n_gblk,
         **plan.meta(), GROUP=group, GROUPS_PER_PROG=gpp, EXACT_ROUND=interpreting(), DEINTERLEAVE=deinterleave,
-        num_warps=4, **launch_options())
-    return al, xq, xs
+        SUMS=sums, num_warps=4, **launch_options())
+    return (al, xq, xs, total) if sums else (al, xq, xs)
 
 
 @triton.jit

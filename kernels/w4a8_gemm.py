@@ -200,9 +200,9 @@ def _w4a8_swapped_kernel(
         N, K, num_valid, num_pid_m, up_offset,
         stride_am, stride_ak, stride_asm, stride_ask,
         stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
-        stride_cm, stride_cn,
+        stride_cm, stride_cn, a_sum_ptr,
         A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, INTERPRET: tl.constexpr,
-        GROUP_K: tl.constexpr, ASM: tl.constexpr,
+        GROUP_K: tl.constexpr, ASM: tl.constexpr, ACT_SUMS: tl.constexpr,
         BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
         GROUP_SIZE_M: tl.constexpr, PDL: tl.constexpr = False):
     """The tile of `_w4a8_gemm_kernel` computed transposed, C^T = B @ A^T: the weight rows (BLOCK_N, 64 and
@@ -210,7 +210,9 @@ def _w4a8_swapped_kernel(
     tile's few token rows (BLOCK_M) its narrow side. One K step is BLOCK_SIZE_K / GROUP_K whole INT4 groups;
     A comes de-interleaved per group (`deinterleave` of the quantisers: the group's even columns, then its
     odd ones), so the low and high nibbles of a packed tile each meet a contiguous half of it and no
-    interleave is needed in registers."""
+    interleave is needed in registers. With ACT_SUMS the offset correction's per-group sums of A come from the
+    quantiser (a_sum_ptr, laid out as A's scales) instead of a reduction over the loaded tile in every program
+    (a cross-thread sum and a layout change per group)."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
@@ -229,6 +231,8 @@ def _w4a8_swapped_kernel(
     # pipeline of the tiles, whose latency would otherwise stall every group
     last = K // GROUP_K - 1
     a_s_next = tl.load(as_ptrs, mask=r_mask, other=0.0)
+    sum_ptrs = a_sum_ptr + a_rows * stride_asm
+    a_sum_next = tl.load(sum_ptrs, mask=r_mask, other=0.0) if ACT_SUMS else a_s_next
     b_s_next = tl.load(bs_ptrs)
     up_s_next = tl.load(bs_ptrs + up_offset * stride_bsn) if GATED else b_s_next
     acc = tl.zeros((BLOCK_SIZE_N, BLOCK_SIZE_M), dtype=tl.float32)
@@ -236,16 +240,21 @@ def _w4a8_swapped_kernel(
     for kk in range(0, K // BLOCK_SIZE_K):
         for j in tl.static_range(STEP_GROUPS):  # a step's groups: each row's bytes of the step loaded together
             g = kk * STEP_GROUPS + j
-            a_s, b_s, up_s = a_s_next, b_s_next, up_s_next
+            a_s, b_s, up_s, a_sum = a_s_next, b_s_next, up_s_next, a_sum_next
             g_next = tl.minimum(g + 1, last)
             a_s_next = tl.load(as_ptrs + g_next * stride_ask, mask=r_mask, other=0.0)
+            if ACT_SUMS:
+                a_sum_next = tl.load(sum_ptrs + g_next * stride_ask, mask=r_mask, other=0.0)
             b_s_next = tl.load(bs_ptrs + g_next * stride_bsk)
             if GATED:
                 up_s_next = tl.load(bs_ptrs + (up_offset * stride_bsn + g_next * stride_bsk))
             a_k = g * GROUP_K * stride_ak
             a_lo = tl.load(a_ptrs + a_k, mask=r_mask[:, None], other=0.0)
             a_hi = tl.load(a_ptrs + (a_k + HALF_G * stride_ak), mask=r_mask[:, None], other=0.0)
-            shift = (tl.sum(a_lo.to(tl.float32), axis=1) + tl.sum(a_hi.to(tl.float32), axis=1)) * (8.0 * a_s)
+            if ACT_SUMS:
+                shift = a_sum * (8.0 * a_s)
+            else:
+                shift = (tl.sum(a_lo.to(tl.float32), axis=1) + tl.sum(a_hi.to(tl.float32), axis=1)) * (8.0 * a_s)
             a_s = a_s * 512.0
             b_k = g * HALF_G * stride_bk
             acc = _swapped_step(acc, a_lo, a_hi, a_s, shift, tl.load(b_ptrs + b_k), b_s, ASM)
@@ -279,19 +288,30 @@ def swapped(cfg: dict, group: int) -> bool:
     return bool(cfg.get("SWAP_AB", cfg["BLOCK_SIZE_N"] >= 64)) and group >= SWAPPED_MIN_GROUP
 
 
-def launch_w4a8_gemm(a, a_s, b, b_s, c, topk_w, al, *, group, cfg, **gemm):
+def act_sums(cfg: dict, group: int) -> bool:
+    """Whether the GEMM of `cfg` reads the per-group sums of A from its quantiser: the swapped kernel only, with
+    config key ACT_SUMS 1 (off by default until timed on a GPU: an offline sm_90 compile of the V3 gate_up tile has
+    417 loop instructions per K step against 489, no shuffles, two barriers against five)."""
+    return swapped(cfg, group) and bool(cfg.get("ACT_SUMS", 0))
+
+
+def launch_w4a8_gemm(a, a_s, b, b_s, c, topk_w, al, *, group, cfg, a_sum=None, **gemm):
     """kernels.moe_common.launch_gemm of the GEMM kernel `cfg` and `group` choose (`gemm`: its shape arguments):
     the swapped one steps whole INT4 groups (BLOCK_SIZE_K rounded down to a multiple of the group that divides
-    K, else one group), the other caps its K step at the group."""
+    K, else one group), the other caps its K step at the group. a_sum: A's per-group sums (laid out as a_s,
+    from the quantiser) where `act_sums(cfg, group)`."""
     fp8_dot, asm = unpack_mode(cfg)
     if swapped(cfg, group):
         k = gemm["k"]
         step = group * max(1, min(cfg["BLOCK_SIZE_K"], k) // group)
+        if (a_sum is not None) != act_sums(cfg, group) or (a_sum is not None and a_sum.stride() != a_s.stride()):
+            raise ValueError("a_sum must be given, laid out as a_s, exactly where act_sums(cfg, group)")
         launch_gemm(_w4a8_swapped_kernel, a, a_s, b, b_s, c, topk_w, al, block_k=step if k % step == 0 else group,
-                    cfg=cfg, GROUP_K=group, ASM=asm, **gemm)
+                    cfg=cfg, GROUP_K=group, ASM=asm, a_sum_ptr=a_s if a_sum is None else a_sum,
+                    ACT_SUMS=a_sum is not None, **gemm)
     else:
         launch_gemm(_w4a8_gemm_kernel, a, a_s, b, b_s, c, topk_w, al, block_k=min(cfg["BLOCK_SIZE_K"], group),
                     cfg=cfg, GROUP_K=group, FP8_DOT=fp8_dot, ASM=asm, **gemm)
 
 
-__all__ = ["FP8_DOT_MIN_M", "SWAPPED_MIN_GROUP", "launch_w4a8_gemm", "swapped", "unpack_mode"]
+__all__ = ["FP8_DOT_MIN_M", "SWAPPED_MIN_GROUP", "act_sums", "launch_w4a8_gemm", "swapped", "unpack_mode"]

@@ -85,7 +85,8 @@ def test_group_quant_column_major_scales(poison):
 @cpu_only
 def test_group_quant_deinterleaved(poison):
     """deinterleave=True (the swapped W4AFP8 GEMM's activation order): the same codes and scales, each group's
-    even columns first, then its odd ones; both launch paths of the MoE prologue agree with it."""
+    even columns first, then its odd ones; with sums=True also each group's sum of its codes; both launch paths
+    of the MoE prologue agree with it."""
     from kernels.moe_align import align_plan
     from kernels.moe_common import align_and_quant
 
@@ -95,11 +96,17 @@ def test_group_quant_deinterleaved(poison):
     assert torch.equal(sd, s)
     assert torch.equal(qd.float(), deinterleave_groups(q.float(), 128))
     assert torch.equal(deinterleave_groups(torch.arange(8.0), 4), torch.tensor([0.0, 2, 1, 3, 4, 6, 5, 7]))
+    want_sums = qd.double().view(5, 3, 128).sum(-1)  # sums=True: each group's sum of its codes (unscaled)
+    q3, s3, t3 = per_token_group_quant_fp8(x, 128, deinterleave=True, sums=True)
+    assert torch.equal(q3.float(), qd.float()) and torch.equal(s3, s) and t3.dtype == torch.float32
+    torch.testing.assert_close(t3.double(), want_sums, rtol=1e-6, atol=1e-3)
     for experts, n_ids in ((8, 10), (1024, 200)):  # the one-launch prologue, then alignment launches + quantisation
         assert align_plan(n_ids, experts, 16).small == (n_ids == 10)
         ids = torch.randint(0, experts, (n_ids,), dtype=torch.int32)
         _, qa, sa = align_and_quant(x, ids, experts, 16, 128, deinterleave=True)
         assert torch.equal(qa.float(), qd.float()) and torch.equal(sa, s)
+        _, qa, sa, ta = align_and_quant(x, ids, experts, 16, 128, deinterleave=True, sums=True)
+        assert torch.equal(qa.float(), qd.float()) and torch.equal(sa, s) and torch.equal(ta, t3)
     with pytest.raises(ValueError, match="whole groups"):
         per_token_group_quant_fp8(x[:, :200], 128, deinterleave=True)
 
