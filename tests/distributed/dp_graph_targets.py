@@ -25,6 +25,29 @@ def padded_decode_engine(args, local_rank: int) -> Engine:
     return engine
 
 
+def padded_flashinfer_engine(args, local_rank: int) -> Engine:
+    """padded_decode_engine with its attention the FlashInfer backend over tests/engine/fake_flashinfer.py (FlashInfer
+    0.7's planner internals included): the padded decode batches' wrappers read the request table in place, an idle
+    DP group's padding rows included."""
+    import pytest
+    import torch
+
+    from engine.model.attention_flashinfer import FlashInferAttentionBackend
+    from tests.engine import fake_flashinfer
+
+    fake_flashinfer.install(pytest.MonkeyPatch())  # this process only; never undone
+    engine = Engine(args, local_rank=local_rank)
+    r, cfg = engine.runner, engine.runner.config
+    heads = cfg.num_attention_heads // r.parallel.tp.attention.size
+    r.forward_ctx.attn_backend = FlashInferAttentionBackend(
+        heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, torch.float32, r.kv_pool.dtype,
+        r.kv_pool.scale, r.device, r.req_to_token.table.shape[1], max_graph_bs=max(PADDED_SIZES))
+    r.build_graph_runner(PADDED_SIZES, capture=False)
+    r.build_piecewise(PIECEWISE_BUCKETS, capture=False)
+    assert r.forward_ctx.attn_backend.in_place is None  # decided at the first graph batch
+    return engine
+
+
 def padded_spec_engine(args, local_rank: int) -> Engine:
     """The same for speculative decoding: its tree forwards (up to 8 rows per request) through padded
     batches of the model's and the MTP layer's graph runners, larger ones eagerly."""

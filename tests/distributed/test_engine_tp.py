@@ -158,6 +158,27 @@ def test_dp_attention_padded_decode_matches_one_process(reference, model, tp, dp
     assert paths.get("piecewise", 0) > 0 and paths.get("cuda_graph", 0) > 0 and not paths.get("eager"), paths
 
 
+def test_dp_attention_flashinfer_graph_decode_matches_one_process(reference):
+    """The FlashInfer backend (tests/engine/fake_flashinfer.py's kernels, on CPU) under DP attention: padded decode
+    batches whose wrappers read the request table in place, with group 0 idle (replaying padding rows) while
+    group 1 decodes, then both loaded; the same greedy tokens as one process."""
+    import functools
+
+    from engine.runtime.rank_loop import engine_main
+    from tests.distributed.dp_graph_targets import padded_flashinfer_engine
+
+    prompts, ref = reference("tiny")
+    main = functools.partial(engine_main, make_engine=padded_flashinfer_engine)
+    with RankedEngine(EngineArgs.of(model="tiny", tp_size=2, enable_dp_attention=True, dp_size=2, dist_timeout=60,
+                                    **FLAGS), rank_main=main) as eng:
+        got = eng.generate(input_ids=prompts[:4], sampling_params=_params(4), dp_rank=1)
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref[:4]]
+        got = eng.generate(input_ids=prompts[:8], sampling_params=_params(8))
+        paths = eng.stats.forward_paths
+    assert logprob_gap(got, ref[:8]) <= LOGPROB_ATOL
+    assert paths.get("cuda_graph", 0) > 0 and not paths.get("eager"), paths
+
+
 def _placement_file(path, model: str, ep: int, redundant: int) -> str:
     """A placement planned from a made-up skewed load for every MoE layer of `model` (the MTP layer's too)."""
     from engine.checkpoint.config import parse_config
