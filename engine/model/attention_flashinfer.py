@@ -133,7 +133,9 @@ class FlashInferAttentionBackend:
         self.fallback = TritonAttentionBackend(num_heads * (128 + rope_dim + 128) * q_dtype.itemsize, prefill=prefill)
         self._plan_copied = None  # CUDA event recorded after the last plan's host-to-device copy
         self._pinned: Optional[torch.Tensor] = None  # page-locked staging of the plan's host arrays (_staged)
-        self.fast_replan = True  # False: every graph replay uses FlashInfer's public plan() (benchmarks compare)
+        # False before the first graph batch: gathering wrappers planned by FlashInfer's public plan() at every replay
+        # (benchmarks compare; in-place wrappers never use plan() after their first, capture-time one)
+        self.fast_replan = True
         self._warned_fallback = False
         if decode_only:
             self._log_triton_decodes(max(max_graph_bs, 256))
