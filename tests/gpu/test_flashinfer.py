@@ -96,6 +96,8 @@ def test_flashinfer_graph_and_compile_match_eager_greedy(tiny_mla):
     eager, lp_e, _ = _greedy(tiny_mla, attention_backend="flashinfer", disable_cuda_graph=True)
     graph, lp_g, eng = _greedy(tiny_mla, attention_backend="flashinfer", cuda_graph_bs="1,2,4,8")
     assert eng.runner.graphs is not None and eng.runner.graphs.sizes == [1, 2, 4, 8]
+    # the graph wrappers read the request table in place (this FlashInfer's planner internals were found)
+    assert eng.runner.forward_ctx.attn_backend.in_place is True
     compiled, _, _ = _greedy(tiny_mla, attention_backend="flashinfer", cuda_graph_bs="1,2,4,8",
                              enable_torch_compile=True)
     assert graph == eager
