@@ -10,12 +10,24 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Optional
 
+from kernels.int4 import INT4_GROUP
 from kernels.tuned_configs import default_fp8_gemm_config, default_moe_config
+from kernels.w4a8_gemm import swapped
 from tuning import search_space as ss
 from tuning.bench import GemmProblem, MoEProblem
 from tuning.shapes import GemmShape, MoEShape
 
 SPLIT_K_CHOICES = (1, 2, 4, 8)  # explicit K splits timed for the best tiles (1: none, whatever the GPU)
+
+
+def w4afp8_sums_variants(cfg: dict, n: int) -> list[dict]:
+    """`cfg` with ACT_SUMS on for its swapped gate_up GEMM, its swapped down GEMM, and both (kernels/w4a8_gemm.py
+    `act_sums`); n: the experts' intermediate size (the down GEMM's K, its INT4 group min(128, n))."""
+    up = swapped(ss.up_part(cfg), INT4_GROUP)
+    down = swapped(ss.down_part(cfg), min(INT4_GROUP, n))
+    keys = [k for k, on in (("ACT_SUMS", up), ("ACT_SUMS_DOWN", down)) if on]
+    sets = [[k] for k in keys] + ([keys] if len(keys) == 2 else [])
+    return [{**cfg, **{k: 1 for k in ks}} for ks in sets]
 
 
 class MoETarget:
@@ -61,9 +73,11 @@ class MoETarget:
 
     def extras(self, cfg: dict, device) -> list[dict]:
         """The best config with the gate_up GEMM's K loop in SPLIT_K_CHOICES parts (the down GEMM unsplit: its
-        K is the small N); the W4AFP8 kernel has no split."""
+        K is the small N). The W4AFP8 kernel has no split: its best config with the swapped GEMMs reading the
+        activations' group sums from the quantiser instead (ACT_SUMS, each GEMM alone and both; none where
+        neither GEMM of the config is swapped)."""
         if self.shape.dtype == "w4afp8":
-            return []
+            return w4afp8_sums_variants(cfg, self.shape.N)
         return [{**cfg, "SPLIT_K": s, "SPLIT_K_DOWN": 1} for s in SPLIT_K_CHOICES]
 
     def finalize(self, winner: dict, ranked: list[dict]) -> dict:
