@@ -66,6 +66,11 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
 
+    def host_req_rows(self) -> list[int]:
+        """req_pool_indices on the host: the host copy where the batch has one, else read back from the device
+        (which waits for the queued work)."""
+        return self.req_rows_cpu if self.req_rows_cpu is not None else self.req_pool_indices.tolist()
+
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])

@@ -251,7 +251,7 @@ class MlaTuner:
         if cfg.kv_load == "fp8dot" and self.shape.kv_dtype.itemsize == 1:
             self._check_problem()
             return FP8DOT_ERR_RATIO * self.check_cache_error
-        return ERR_BOUND["split" if cfg.kv_load == "fp8dot" else cfg.kv_load]  # fp8dot on a 16-bit cache runs "tile"
+        return ERR_BOUND["tile" if cfg.kv_load == "fp8dot" else cfg.kv_load]  # fp8dot on a 16-bit cache runs "tile"
 
     def _check_problem(self) -> DecodeProblem:
         if self.check is None:

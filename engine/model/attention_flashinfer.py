@@ -181,7 +181,8 @@ class FlashInferAttentionBackend:
                      self.num_heads, MLA_KV_NAMES.get(self.kv_dtype, self.kv_dtype), ", ".join(map(str, sizes)))
 
     def _plan(self, fb: ForwardBatch, ctx: ForwardContext, graph_bs: Optional[int]) -> None:
-        if graph_bs is not None and self.fast_replan and self.in_place is not False:
+        # in-place wrappers hold the request table as their page list: never planned through the gathering path
+        if graph_bs is not None and (self.in_place or (self.in_place is None and self.fast_replan)):
             if self._plan_in_place(fb, ctx.req_to_token.table, graph_bs):
                 return
         wrapper = self.eager if graph_bs is None else self._graph_wrapper(graph_bs)
@@ -218,7 +219,7 @@ class FlashInferAttentionBackend:
         if table is not self._table:
             raise RuntimeError("the request table was reallocated after FlashInfer's CUDA-graph wrappers were "
                                "built over it (ReqToTokenPool.reserve_scratch must run before graph capture)")
-        rows = fb.req_rows_cpu if fb.req_rows_cpu is not None else fb.req_pool_indices.tolist()
+        rows = fb.host_req_rows()
         lens = fb.seq_lens_cpu
         kv_indptr = [r * table.stride(0) for r in rows]
         kv_indptr.append(kv_indptr[-1] + lens[-1])  # one past the last request's pages (unread by the planner)

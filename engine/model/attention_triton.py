@@ -92,7 +92,7 @@ def plan_extend(fb: ForwardBatch, table: torch.Tensor, prefix_token_budget: int)
     runs: list[ExtendRun] = []
     t, r = 0, 0
     n_reqs = len(fb.extend_lens_cpu)
-    rows = fb.req_rows_cpu if fb.req_rows_cpu is not None else fb.req_pool_indices.tolist()
+    rows = fb.host_req_rows()
     while r < n_reqs:
         absorbed = _absorbs(fb, r)
         r1, t1, prefix = r, t, 0
