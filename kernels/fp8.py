@@ -153,10 +153,11 @@ def quant_groups(x_ptr, q_ptr, s_ptr, row, gblk, K, stride_xm, stride_qm, stride
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), eps) / 448.0
     q = tl.clamp(x / scale[:, None], -448.0, 448.0)
     q = round_to_e4m3_grid(q, EXACT_ROUND)
-    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    q = q.to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + row * stride_qm + cols, q, mask=mask)
     tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g * GROUP < K)
-    if SUMS:
-        tl.store(sum_ptr + row * stride_sm + g * stride_sg, tl.sum(q, axis=1), mask=g * GROUP < K)
+    if SUMS:  # the stored values' sums: on the GPU the cast above is what rounds them to e4m3
+        tl.store(sum_ptr + row * stride_sm + g * stride_sg, tl.sum(q.to(tl.float32), axis=1), mask=g * GROUP < K)
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -112,6 +112,26 @@ def test_group_quant_deinterleaved(poison):
 
 
 @cpu_only
+def test_group_sums_are_the_stored_codes_sums_when_the_cast_rounds(poison):
+    """On a GPU the quantiser leaves the rounding to e4m3 to its cast (EXACT_ROUND off): the group sums must be
+    the sums of the codes stored, not of the values before the cast (which put the W4AFP8 GEMM's offset
+    correction off by ~10% on an H200). Launched here as the GPU launches it; the interpreter's cast rounds too
+    (if differently), so the sums must match what it stored."""
+    from kernels.fp8 import _group_quant_kernel
+
+    x = _rand(4, 256, seed=9)
+    q = torch.empty(4, 256, dtype=FP8_DTYPE)
+    s = torch.empty(4, 2)
+    total = torch.empty(4, 2)
+    _group_quant_kernel[(4, 1)](x, q, s, total, 256, x.stride(0), q.stride(0), s.stride(0), s.stride(1), 1e-10,
+                                GROUP=128, GROUPS_PER_PROG=2, EXACT_ROUND=False, SUMS=True, num_warps=4)
+    stored = q.double().view(4, 2, 128).sum(-1)
+    unrounded = (x.double() / s.double().repeat_interleave(128, dim=1)).view(4, 2, 128).sum(-1)
+    assert not torch.allclose(stored, unrounded, rtol=0, atol=1e-2)  # the cast moved the sums
+    torch.testing.assert_close(total.double(), stored, rtol=1e-6, atol=1e-3)
+
+
+@cpu_only
 def test_group_quant_rounds_to_nearest_even_across_binades(poison):
     # scale is exactly 1 (group max 448): every value must round exactly as torch's cast does,
     # including values just under a power of two (1.97 -> 2.0) and e4m3 subnormals
