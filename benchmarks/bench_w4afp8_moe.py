@@ -62,8 +62,8 @@ def cfg(bm, bn, bk=128, gm=1, w=4, s=4, **extra):
 
 # (name, config, scales K-group-major). Tiles of 64+ weight rows (BLOCK_N) run the swapped kernel (wgmma: weights x
 # tokens, FP8 dots) by default; `-mma` forces the row-major kernel (SWAP_AB 0: float16 mma.sync below 64 rows,
-# FP8 wgmma from 64), as do tiles of 32 weight rows; `-actsums` has the swapped kernel read each group's sum of A from
-# the quantiser (ACT_SUMS 1) instead of summing the loaded tile itself. The tuner's row cap per batch (tuning/search_space.py)
+# FP8 wgmma from 64), as do tiles of 32 weight rows; `-tilesums` has the swapped kernel sum each loaded tile of A
+# itself (ACT_SUMS 0) instead of reading the group sums its quantiser wrote (the default). The tuner's row cap per batch (tuning/search_space.py)
 # drops tiles too tall for the batch.
 SWEEP = [
     ("m16n32w2s8-mma", cfg(16, 32, w=2, s=8, BLOCK_SIZE_N_DOWN=128, num_stages_DOWN=4, SWAP_AB_DOWN=0), False),
@@ -71,7 +71,7 @@ SWEEP = [
     ("m16n64w4s4", cfg(16, 64, w=4, s=4, BLOCK_SIZE_N_DOWN=128), False),
     ("m16n64w4s3-k256", cfg(16, 64, bk=256, w=4, s=3, BLOCK_SIZE_N_DOWN=128), False),
     ("m16n64w4s3-k256-sT", cfg(16, 64, bk=256, w=4, s=3, BLOCK_SIZE_N_DOWN=128), True),
-    ("m16n64w4s3-k256-actsums", cfg(16, 64, bk=256, w=4, s=3, BLOCK_SIZE_N_DOWN=128, ACT_SUMS=1, ACT_SUMS_DOWN=1),
+    ("m16n64w4s3-k256-tilesums", cfg(16, 64, bk=256, w=4, s=3, BLOCK_SIZE_N_DOWN=128, ACT_SUMS=0, ACT_SUMS_DOWN=0),
      False),
     ("m16n64w4s2-k512", cfg(16, 64, bk=512, w=4, s=2, BLOCK_SIZE_N_DOWN=128), False),
     ("m16n128w4s3", cfg(16, 128, w=4, s=3, BLOCK_SIZE_N_DOWN=128), False),

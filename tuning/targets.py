@@ -21,13 +21,14 @@ SPLIT_K_CHOICES = (1, 2, 4, 8)  # explicit K splits timed for the best tiles (1:
 
 
 def w4afp8_sums_variants(cfg: dict, n: int) -> list[dict]:
-    """`cfg` with ACT_SUMS on for its swapped gate_up GEMM, its swapped down GEMM, and both (kernels/w4a8_gemm.py
-    `act_sums`); n: the experts' intermediate size (the down GEMM's K, its INT4 group min(128, n))."""
+    """`cfg` with ACT_SUMS off (the kernel sums its loaded tiles; kernels/w4a8_gemm.py `act_sums`, on by default)
+    for its swapped gate_up GEMM, its swapped down GEMM, and both; n: the experts' intermediate size (the down
+    GEMM's K, its INT4 group min(128, n))."""
     up = swapped(ss.up_part(cfg), INT4_GROUP)
     down = swapped(ss.down_part(cfg), min(INT4_GROUP, n))
     keys = [k for k, on in (("ACT_SUMS", up), ("ACT_SUMS_DOWN", down)) if on]
     sets = [[k] for k in keys] + ([keys] if len(keys) == 2 else [])
-    return [{**cfg, **{k: 1 for k in ks}} for ks in sets]
+    return [{**cfg, **{k: 0 for k in ks}} for ks in sets]
 
 
 class MoETarget:
@@ -73,9 +74,9 @@ class MoETarget:
 
     def extras(self, cfg: dict, device) -> list[dict]:
         """The best config with the gate_up GEMM's K loop in SPLIT_K_CHOICES parts (the down GEMM unsplit: its
-        K is the small N). The W4AFP8 kernel has no split: its best config with the swapped GEMMs reading the
-        activations' group sums from the quantiser instead (ACT_SUMS, each GEMM alone and both; none where
-        neither GEMM of the config is swapped)."""
+        K is the small N). The W4AFP8 kernel has no split: its best config with the swapped GEMMs summing the
+        activations' groups themselves instead of reading the quantiser's sums (ACT_SUMS 0, each GEMM alone and
+        both; none where neither GEMM of the config is swapped)."""
         if self.shape.dtype == "w4afp8":
             return w4afp8_sums_variants(cfg, self.shape.N)
         return [{**cfg, "SPLIT_K": s, "SPLIT_K_DOWN": 1} for s in SPLIT_K_CHOICES]

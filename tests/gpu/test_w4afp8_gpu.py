@@ -93,9 +93,10 @@ def test_every_unpack_path_matches_reference():
     tiles = {"f16 mma.sync": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, num_warps=4, num_stages=4, SWAP_AB=0),
              "f16 wgmma": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, FP8_DOT=0, num_warps=4, num_stages=3, SWAP_AB=0),
              "fp8 wgmma": dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, num_warps=8, num_stages=3, SWAP_AB=0),
-             "fp8 wgmma swapped": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, num_warps=4, num_stages=4),
-             "fp8 wgmma swapped, A's sums from the quantiser": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, num_warps=4,
-                                                                    num_stages=4, ACT_SUMS=1)}
+             "fp8 wgmma swapped (A's sums from the quantiser)": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, num_warps=4,
+                                                                     num_stages=4),
+             "fp8 wgmma swapped, A's sums from each tile": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, num_warps=4,
+                                                               num_stages=4, ACT_SUMS=0, ACT_SUMS_DOWN=0)}
     for name, tile in tiles.items():
         outs = [fused_moe_w4a8(x, w13, w2, ids, w, w13_scale=s13, w2_scale=s2,
                                config=dict(tile, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, UNPACK_ASM=asm)) for asm in (1, 0)]

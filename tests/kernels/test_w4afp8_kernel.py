@@ -93,8 +93,8 @@ def _experts(e, n, k, g1, g2, seed):
 # the row-major kernel (weight tiles of 32 rows): float16 mma.sync operands, then e4m3 (v+8)/512 on 64-row tiles
 F16_DOT = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=2, BLOCK_SIZE_N_DOWN=64, SWAP_AB_DOWN=0)
 FP8_DOT = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=32, BLOCK_SIZE_K=128, GROUP_SIZE_M=2, BLOCK_SIZE_N_DOWN=32)
-# the swapped kernel (64+ weight rows; activations de-interleaved, their per-group sums from the quantiser with
-# ACT_SUMS 1): one group per K step, then two
+# the swapped kernel (64+ weight rows; activations de-interleaved, their per-group sums from the quantiser unless
+# ACT_SUMS is 0): one group per K step, then two
 SWAPPED = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=2)
 SWAPPED_K256 = dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=128, BLOCK_SIZE_K=256, GROUP_SIZE_M=1, BLOCK_SIZE_N_DOWN=64)
 
@@ -106,8 +106,8 @@ SWAPPED_K256 = dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=128, BLOCK_SIZE_K=256, GROUP_S
     (40, 5, 64, 256, 3, 128, 64, 0.2, FP8_DOT),  # the FP8-dot unpack and its offset correction
     (33, 4, 64, 256, 3, 128, 64, 0.2, SWAPPED),  # both GEMMs swapped (the down one on its 64-wide group)
     (9, 5, 128, 512, 2, 128, 32, 0.2, SWAPPED_K256),  # two groups a step; a 32-wide down group: row-major
-    (33, 4, 64, 256, 3, 128, 64, 0.2, dict(SWAPPED, ACT_SUMS=1, ACT_SUMS_DOWN=1)),  # A's sums from the quantiser
-], ids=["f16-prologue", "f16-blocks", "fp8-dot", "swapped", "swapped-k256", "swapped-act-sums"])
+    (33, 4, 64, 256, 3, 128, 64, 0.2, dict(SWAPPED, ACT_SUMS=0, ACT_SUMS_DOWN=0)),  # A's sums from each tile
+], ids=["f16-prologue", "f16-blocks", "fp8-dot", "swapped", "swapped-k256", "swapped-tile-sums"])
 def test_kernel_matches_reference(poison, t, e, n, k, top_k, g1, g2, drop, cfg):
     w13, s13, w2, s2 = _experts(e, n, k, g1, g2, seed=t)
     g = _gen(t + 1)

@@ -97,8 +97,9 @@ def test_gemm_extras_time_k_splits_and_a_cublas_winner_keeps_the_triton_split(mo
 
 def test_moe_extras_time_gate_up_splits_and_w4afp8_activation_sums():
     """The fused MoE's best config is timed again with gate_up's K loop in 1, 2, 4, 8 parts (down unsplit); the
-    W4AFP8 kernel has no split: its swapped GEMMs are timed again reading the activations' group sums from the
-    quantiser (ACT_SUMS), each alone and both; a config whose GEMMs are both row-major gets none."""
+    W4AFP8 kernel has no split: its swapped GEMMs are timed again summing the activations' groups themselves
+    instead of reading the quantiser's sums (ACT_SUMS 0), each alone and both; a config whose GEMMs are both
+    row-major gets none."""
     v3 = load_model_config("deepseek-v3")
     fp8 = MoETarget(moe_shape(v3, tp=8))
     got = fp8.extras(_cfg(16), "cuda")
@@ -106,12 +107,12 @@ def test_moe_extras_time_gate_up_splits_and_w4afp8_activation_sums():
     w4 = MoETarget(moe_shape(v3, tp=8, dtype="w4afp8"))
     swapped = dict(_cfg(16, 64), BLOCK_SIZE_K=256, BLOCK_SIZE_N_DOWN=128)
     sums = [{k: c[k] for k in ("ACT_SUMS", "ACT_SUMS_DOWN") if k in c} for c in w4.extras(swapped, "cuda")]
-    assert sums == [dict(ACT_SUMS=1), dict(ACT_SUMS_DOWN=1), dict(ACT_SUMS=1, ACT_SUMS_DOWN=1)]
+    assert sums == [dict(ACT_SUMS=0), dict(ACT_SUMS_DOWN=0), dict(ACT_SUMS=0, ACT_SUMS_DOWN=0)]
     assert all({k: v for k, v in c.items() if not k.startswith("ACT_SUMS")} == swapped
                for c in w4.extras(swapped, "cuda"))  # nothing else changed
     row_major = dict(_cfg(16, 32), BLOCK_SIZE_N_DOWN=32)  # 32 weight rows: the row-major kernel, no sums
     assert w4.extras(row_major, "cuda") == []
-    assert [c.get("ACT_SUMS_DOWN") for c in w4.extras(dict(row_major, BLOCK_SIZE_N_DOWN=128), "cuda")] == [1]
+    assert [c.get("ACT_SUMS_DOWN") for c in w4.extras(dict(row_major, BLOCK_SIZE_N_DOWN=128), "cuda")] == [0]
 
 
 def test_resume_after_kill(tmp_path, target, monkeypatch):
