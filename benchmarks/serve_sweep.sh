@@ -91,6 +91,10 @@ grep -q "did not exit within" "$OUT/$TAG-serve.log" && echo "$TAG: engine ranks 
 grep -E "start-up|startup|phase|weights|KV|graph" "$OUT/$TAG-serve.log" | head -12
 echo "$TAG: Triton compiles while serving: $(grep -c "compiled .* while serving" "$OUT/$TAG-serve.log")"
 grep "compiled .* while serving" "$OUT/$TAG-serve.log" | head -5
+# what the engine flags as stalls: garbage collections over 50 ms (engine/runtime/heap.py) and decode steps over
+# 100 ms and 4x the recent ones (the scheduler)
+echo "$TAG: slow garbage collections: $(grep -c "garbage collection paused" "$OUT/$TAG-serve.log"), slow decode steps: $(grep -c "a decode step of" "$OUT/$TAG-serve.log")"
+grep -E "garbage collection paused|a decode step of" "$OUT/$TAG-serve.log" | cut -c1-240 | head -5
 MAXRUN=${MAXRUN:-256}  # the server's --max-running-requests (its default; per DP group)
 quant=none; case " $EXTRA " in *" --quantization fp8 "*) quant=fp8 ;; *" --quantization w4afp8 "*) quant=w4afp8 ;; esac
 kv_bytes=2; case " $EXTRA " in *" --kv-cache-dtype fp8"*) kv_bytes=1 ;; esac
