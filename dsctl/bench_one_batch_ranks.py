@@ -22,6 +22,7 @@ from typing import Optional
 
 from dsctl.bench_one_batch_timing import add_floors, measure_bandwidth, meta_of, time_shapes
 from engine.args import EngineArgs
+from engine.distributed.comm import barrier
 from engine.distributed.groups import init_parallel
 from engine.errors import UsageError
 from engine.runner.device import pick_device
@@ -61,6 +62,9 @@ def rank_main(local_rank: int, args: EngineArgs, inbox, outbox, job: BenchJob) -
         if first:
             outbox.send(("done", add_floors(runner, results, bandwidth), meta_of(args, runner, bandwidth)))
         runner.close()
+        # every rank done with the world before any tears it down: a rank that destroyed its groups while
+        # another still used them was seen to abort once (SIGABRT, "terminate called", CPU CI under load)
+        barrier(state.tp)
     finally:
         state.destroy()
 
