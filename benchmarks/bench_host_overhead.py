@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.args import SchedulerArgs  # noqa: E402
 from engine.memory.pools import KVPool, ReqToTokenPool  # noqa: E402
-from engine.runtime.heap import freeze_startup_heap  # noqa: E402
+from engine.runtime.heap import freeze_startup_heap, on_collections  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.scheduler.processor import OutputProcessor  # noqa: E402
 from engine.scheduler.request import Request  # noqa: E402
@@ -168,16 +168,13 @@ def run(opts) -> dict:
 @contextlib.contextmanager
 def _full_collections():
     """The seconds of every generation-2 collection while the block runs."""
-    seconds, start = [], [0.0]
+    seconds: list[float] = []
 
-    def hook(phase: str, info: dict) -> None:
-        if info["generation"] == 2:
-            if phase == "start":
-                start[0] = time.perf_counter()
-            else:
-                seconds.append(time.perf_counter() - start[0])
+    def report(generation: int, took: float, _info: dict) -> None:
+        if generation == 2:
+            seconds.append(took)
 
-    gc.callbacks.append(hook)
+    hook = on_collections(report)
     try:
         yield seconds
     finally:

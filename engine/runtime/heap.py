@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +33,27 @@ def freeze_startup_heap(process: str) -> int:
     return frozen
 
 
-def warn_slow_collections(process: str, threshold_s: float = SLOW_COLLECTION_S):
-    """Log a warning for every garbage collection in this process that takes longer than threshold_s; returns
-    the callback (registered in gc.callbacks: remove it to stop)."""
+def on_collections(report: Callable[[int, float, dict], None]) -> Callable:
+    """Call report(generation, seconds it paused the process, gc's info) after every garbage collection in this
+    process; returns the callback registered in gc.callbacks (remove it to stop)."""
     started = [0.0]
 
     def callback(phase: str, info: dict) -> None:
         if phase == "start":
             started[0] = time.perf_counter()
-            return
-        took = time.perf_counter() - started[0]
-        if took > threshold_s:
-            log.warning("%s: a generation-%d garbage collection paused the process for %.0f ms (%d objects "
-                        "collected)", process, info["generation"], 1e3 * took, info["collected"])
+        else:
+            report(info["generation"], time.perf_counter() - started[0], info)
 
     gc.callbacks.append(callback)
     return callback
+
+
+def warn_slow_collections(process: str, threshold_s: float = SLOW_COLLECTION_S) -> Callable:
+    """Log a warning for every garbage collection in this process that takes longer than threshold_s; returns
+    the callback (registered in gc.callbacks: remove it to stop)."""
+    def report(generation: int, took: float, info: dict) -> None:
+        if took > threshold_s:
+            log.warning("%s: a generation-%d garbage collection paused the process for %.0f ms (%d objects "
+                        "collected)", process, generation, 1e3 * took, info["collected"])
+
+    return on_collections(report)
