@@ -9,6 +9,9 @@ step and p99 stay near it; bunched chunks (ITL p50 near 0) mean the server fell 
 
     python3 benchmarks/bench_stream_path.py --concurrency 256 --step-ms 20 --output-len 256
     python3 benchmarks/bench_stream_path.py --loop uvloop --http httptools ...   (uvicorn's faster loop / parser)
+    python3 benchmarks/bench_stream_path.py --in-process --concurrency 256 --output-len 64
+        (no sockets, no client: the app called over ASGI with a send that drops the chunks, one step's outputs
+        dispatched at a time, each step's chunks all written before the next; CPU per token of the Python path)
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from engine.args import EngineArgs  # noqa: E402
 from engine.checkpoint.resolve import resolve_model  # noqa: E402
 from engine.checkpoint.tokenizer import load_tokenizer  # noqa: E402
 from engine.runtime.client import EngineClient  # noqa: E402
+from engine.runtime.heap import freeze_startup_heap  # noqa: E402
 from engine.runtime.protocol import AbortRequest, AddRequest, EngineInfo, EngineStats, StepOutputs  # noqa: E402
 from engine.scheduler.output import RequestOutput  # noqa: E402
 from engine.server.app import build_app  # noqa: E402
@@ -51,7 +55,12 @@ class SteadyEngine(EngineClient):
         self.info = EngineInfo(max_model_len=8192, vocab_size=self.vocab, kv_total_tokens=1 << 22,
                                max_running_requests=4096, pid=os.getpid())
         self.ready.set()
-        threading.Thread(target=self._engine, name="steady-engine", daemon=True).start()
+        if self.step_s > 0:  # 0: no engine thread; the caller delivers the steps (--in-process)
+            threading.Thread(target=self._engine, name="steady-engine", daemon=True).start()
+
+    def deliver(self, msg) -> None:
+        """On the event loop: one message as the reader thread would hand it over."""
+        self._dispatch(msg)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         self._outq.put(None)
@@ -94,7 +103,66 @@ def serve(opts, port: int) -> None:
     tokenizer = load_tokenizer(resolve_model(args.model).tokenizer_path)
     client = SteadyEngine(args, opts.step_ms / 1000, getattr(tokenizer, "vocab_size", 129280))
     app = build_app(args, tokenizer, client)
+    freeze_startup_heap("server")  # as dsctl serve does before it serves
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop=opts.loop, http=opts.http)
+
+
+def in_process(opts) -> None:
+    """The app's own per-token work, measured in this process (see the module docstring)."""
+    args = EngineArgs.of(model="deepseek-v3", load_format="dummy")
+    tokenizer = load_tokenizer(resolve_model(args.model).tokenizer_path)
+    client = SteadyEngine(args, 0.0, getattr(tokenizer, "vocab_size", 129280))  # no thread: steps delivered below
+    app = build_app(args, tokenizer, client)
+    freeze_startup_heap("server")
+    body = json.dumps({"model": "deepseek-v3", "prompt": "hello there", "max_tokens": opts.output_len,
+                       "stream": True, "ignore_eos": True}).encode()
+    chunks = [0]
+
+    async def one() -> None:
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}}
+        sent, never = [False], asyncio.Event()
+
+        async def receive():
+            if not sent[0]:
+                sent[0] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await never.wait()  # the client never leaves
+
+        async def send(msg) -> None:
+            chunks[0] += msg["type"] == "http.response.body" and bool(msg.get("body"))
+
+        await app(scope, receive, send)
+
+    async def run() -> None:
+        async with app.router.lifespan_context(app):
+            tasks = [asyncio.create_task(one()) for _ in range(opts.concurrency)]
+            while len(client.pending) < opts.concurrency:
+                await asyncio.sleep(0.01)
+            rids, tokens = sorted(client.pending), 0
+            cpu = time.process_time()
+            for step in range(opts.output_len):
+                last = step == opts.output_len - 1
+                outs = [RequestOutput(rid, new_token_ids=[1000 + (step * 7919 + i) % 120000],
+                                      finish_reason="length" if last else None) for i, rid in enumerate(rids)]
+                client.deliver(pickle.loads(pickle.dumps(StepOutputs(outs, EngineStats(running=len(rids))))))
+                tokens += len(outs)
+                for _ in range(8):  # every stream writes its chunk before the next step
+                    await asyncio.sleep(0)
+            await asyncio.gather(*tasks)
+            cpu = time.process_time() - cpu
+        print(f"in-process, loop={opts.loop}: conc={opts.concurrency} out={opts.output_len}: "
+              f"{1e6 * cpu / tokens:.1f} us of CPU per streamed token (pickle included), {chunks[0]} chunks "
+              f"for {tokens} tokens")
+
+    if opts.loop == "uvloop":
+        import uvloop  # lazy: optional here
+
+        uvloop.run(run())
+    else:
+        asyncio.run(run())
 
 
 def main() -> None:
@@ -109,7 +177,11 @@ def main() -> None:
     p.add_argument("--http", default="h11", help="uvicorn's --http (h11, httptools)")
     p.add_argument("--port", type=int, default=30777)
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--in-process", action="store_true", help="no sockets and no client: see the docstring")
     opts = p.parse_args()
+    if opts.in_process:
+        in_process(opts)
+        return
     if opts.serve:
         serve(opts, opts.port)
         return

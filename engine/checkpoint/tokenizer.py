@@ -48,6 +48,18 @@ class Tokenizer:
             return partial(self._fast.decode, skip_special_tokens=skip_special_tokens)
         return partial(self.decode, skip_special_tokens=skip_special_tokens)
 
+    def stream_step(self, skip_special_tokens: bool = True) -> Optional[Callable[[int], Optional[str]]]:
+        """A fresh incremental decoder for one sequence, in the Rust tokenizer (tokenizers' DecodeStream):
+        step(token_id) -> the text that token completes, or None while it completes none (an incomplete
+        character). None where there is no such fast path (`decode` post-processes, or an old tokenizers)."""
+        if self._fast is None:
+            return None
+        try:
+            from tokenizers.decoders import DecodeStream  # lazy: loads with a tokenizer; needs tokenizers >= 0.21
+        except ImportError:
+            return None
+        return partial(DecodeStream(skip_special_tokens=skip_special_tokens).step, self._fast)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> list[int]:
         """The rendered conversation's token ids; `variables` reach the template (V3.1: thinking=True)."""
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,

@@ -4,7 +4,7 @@ Starts this node's engine ranks (`EngineRanks.start_engine`: one spawned process
 rank, one in all for --tp 1, with one pipe each way to rank 0). A sender thread writes
 requests to rank 0 so the event loop never blocks on a full pipe; a reader thread receives
 its messages (`EngineRanks.receive`) and hands them to the event loop, which routes each
-request's outputs to the asyncio queue of the HTTP request that owns it. If any rank dies
+request's outputs to the Inbox of the HTTP request that owns it. If any rank dies
 (killed, OOM, exception), the others are stopped, every in-flight request gets an
 `EngineDead` item at once naming the rank and its error, and `healthy` turns False.
 """
@@ -56,9 +56,39 @@ class EngineUnavailable(Exception):
     """The engine is still loading, or has died."""
 
 
+class Inbox:
+    """Where the event loop leaves what the engine sent one HTTP request, which takes it all at once.
+
+    An asyncio.Queue per request did the same with more work per item (its waiter deque, size checks and one
+    get per item) on the path every streamed token takes. Event-loop only, unbounded."""
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self):
+        self.items: list = []
+        self._waiter: Optional[asyncio.Future] = None
+
+    def put_nowait(self, item) -> None:
+        self.items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list:
+        """Everything left since the last take, in order; waits for at least one item."""
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self.items = self.items, []
+        return items
+
+
 @dataclass
 class _Route:
-    sink: asyncio.Queue
+    sink: Inbox
     tag: int
 
 
@@ -145,7 +175,7 @@ class EngineClient:
         if limit and len(self.pending) + n > limit:  # 0: unbounded
             raise QueueFull(f"{len(self.pending)} requests are already waiting (--max-queued-requests {limit})")
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: asyncio.Queue, tag: int,
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Inbox, tag: int,
                grammar: Optional[GrammarSpec] = None) -> str:
         """Send one sequence to the engine (its output constrained by `grammar`, if given); its outputs arrive
         on sink as (tag, item)."""

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.server.errors import APIError, bad_request, server_error
-from engine.server.formatting import SSE_DONE, new_id, now, sse
+from engine.server.formatting import SSE_DONE, new_id, now, sse, sse_chunks
 from engine.server.limits import ClientGone, check_prompt_tokens, check_sequences, decode_json, read_body
 from engine.server.schemas import validate_body
 from engine.server.state import ServerState, until_disconnect
@@ -98,9 +98,7 @@ def _prepare(state: ServerState, ep: Endpoint, raw: bytes) -> tuple[Any, Any]:
 
 async def _stream(ep: Endpoint, state: ServerState, plan, frame: _Frame, include_usage: bool):
     extra = {"usage": None} if include_usage else {}
-
-    def chunk(choices: list[dict]) -> str:
-        return sse(frame.body(ep.chunk_object, choices, **extra))
+    chunk = sse_chunks(frame.body(ep.chunk_object, [], **extra))
 
     try:
         async for piece in ep.chunks(state, plan, chunk):

@@ -13,16 +13,15 @@ early (client gone, error) aborts the sequences still running.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from engine.grammar.spec import GrammarSpec
-from engine.runtime.client import EngineClient, EngineDead, EngineUnavailable, QueueFull
+from engine.runtime.client import EngineClient, EngineDead, EngineUnavailable, Inbox, QueueFull
 from engine.runtime.protocol import AddFailed, RequestOutput
 from engine.sampling import SamplingParams
-from engine.scheduler.detokenizer import IncrementalDetokenizer
+from engine.scheduler.detokenizer import text_stream
 from engine.scheduler.output import CollectedOutput
 from engine.server.errors import bad_request, engine_failed, server_error, unavailable
 
@@ -44,7 +43,7 @@ class Sequence(CollectedOutput):
     t_last: Optional[float] = None
 
     def __post_init__(self):
-        self.detok = IncrementalDetokenizer(self.tokenizer, self.params.skip_special_tokens)
+        self.detok = text_stream(self.tokenizer, self.params.skip_special_tokens)
         self.holdback = max((len(s) for s in self.params.stop), default=1) - 1
         self._pushed = 0  # output ids given to the detokenizer
         self._held = ""  # detokenized text not emitted yet
@@ -94,7 +93,7 @@ def _runs(items: list[tuple[int, object]]) -> list[tuple[int, list]]:
 class Generation:
     def __init__(self, client: EngineClient, sequences: list[Sequence], metrics=None):
         self.client, self.sequences, self.metrics = client, sequences, metrics
-        self.sink: asyncio.Queue = asyncio.Queue()
+        self.sink = Inbox()
 
     def submit(self) -> None:
         """Hand every sequence to the engine, or raise the APIError that refuses the request."""
@@ -119,10 +118,7 @@ class Generation:
         left = len(self.sequences)
         try:
             while left:
-                items = [await self.sink.get()]
-                while not self.sink.empty():
-                    items.append(self.sink.get_nowait())
-                for index, run in _runs(items):
+                for index, run in _runs(await self.sink.take()):
                     delta, item = "", None
                     for item in run:
                         delta += self._apply(index, item)

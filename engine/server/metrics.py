@@ -1,7 +1,7 @@
 """Prometheus metrics of the server (text format on GET /metrics), via prometheus_client.
 
 Counters and latency histograms are updated in the serving process as outputs
-arrive; the engine's load and memory gauges (running / waiting requests, KV
+arrive (the per-token ones in plain numbers, exposed at scrape time); the engine's load and memory gauges (running / waiting requests, KV
 pool usage and free tokens, prefix-cache holdings and hit rate) and its
 retraction counter are read from the latest EngineStats at scrape time, and so is speculative decoding's
 accepted length (histogram dsctl_spec_accepted_tokens, gauge dsctl_spec_accept_length) and the
@@ -14,8 +14,12 @@ rank's experts (counter dsctl_expert_load_tokens, label ep_rank) and their imbal
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from itertools import accumulate
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from engine.scheduler.step_times import BUCKETS
 from engine.speculative.stats import mean_accepted
@@ -149,17 +153,39 @@ def _spec_metrics(s):
     yield plain
 
 
+class _TokenCounts:
+    """The per-token series (generated tokens, inter-token latency), counted in plain numbers by the event loop
+    that streams them (the only writer) and exposed at scrape time: a prometheus_client Counter / Histogram
+    takes a lock and walks its buckets in Python on every update, a cost paid per streamed token."""
+
+    def __init__(self):
+        self.generated = 0
+        self.itl_counts = [0] * (len(_ITL_BUCKETS) + 1)  # per bucket (the last: +Inf), not cumulative
+        self.itl_sum = 0.0
+
+    def observe_gap(self, gap: float, n: int) -> None:
+        """n tokens that each followed the one before after `gap` seconds."""
+        self.itl_counts[bisect_left(_ITL_BUCKETS, gap)] += n
+        self.itl_sum += gap * n
+
+    def collect(self):
+        yield CounterMetricFamily("dsctl_generation_tokens", "Generated tokens.", value=float(self.generated))
+        hist = HistogramMetricFamily("dsctl_inter_token_latency_seconds", "Time between successive tokens.")
+        edges = [*map(floatToGoString, _ITL_BUCKETS), "+Inf"]
+        hist.add_metric([], list(zip(edges, map(float, accumulate(self.itl_counts)))), sum_value=self.itl_sum)
+        yield hist
+
+
 class ServerMetrics:
     def __init__(self, client):
         r = self.registry = CollectorRegistry()
         self.prompt_tokens = Counter("dsctl_prompt_tokens", "Prompt tokens of finished sequences.", registry=r)
-        self.generation_tokens = Counter("dsctl_generation_tokens", "Generated tokens.", registry=r)
+        self.tokens = _TokenCounts()
+        r.register(self.tokens)
         self.requests = Counter("dsctl_request_finished", "Finished sequences by finish reason.",
                                 ["finish_reason"], registry=r)
         self.ttft = Histogram("dsctl_time_to_first_token_seconds", "Submission to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("dsctl_inter_token_latency_seconds", "Time between successive tokens.",
-                             buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("dsctl_e2e_request_latency_seconds", "Submission to finish.",
                              buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(client))
@@ -167,14 +193,12 @@ class ServerMetrics:
     def observe(self, seq, new_tokens: int, now: float) -> None:
         if not new_tokens:
             return
-        self.generation_tokens.inc(new_tokens)
+        self.tokens.generated += new_tokens
         if seq.t_first is None:
             seq.t_first = now
             self.ttft.observe(now - seq.t_submit)
         elif seq.t_last is not None:
-            gap = (now - seq.t_last) / new_tokens
-            for _ in range(new_tokens):
-                self.itl.observe(gap)
+            self.tokens.observe_gap((now - seq.t_last) / new_tokens, new_tokens)
         seq.t_last = now
 
     def finished(self, seq, now: float) -> None:
