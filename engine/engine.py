@@ -175,6 +175,7 @@ class Engine:
                 if out.rid in collected:
                     collected[out.rid].add(out)
             if all(r.finished for r in reqs):
+                self.scheduler.release_finished()  # as the next step would: their KV cached or freed now
                 return [self._output(r, collected[r.rid]) for r in reqs]
             if not self.scheduler.has_work():
                 raise RuntimeError("scheduler went idle with unfinished requests")

@@ -14,6 +14,7 @@ runs: pool.available() + cache.total_size() == pool.size.
 
 from __future__ import annotations
 
+from array import array
 from typing import Optional, Protocol
 
 import torch
@@ -127,7 +128,9 @@ class RequestMemory:
         """All of req's slots, in token order."""
         if not req.decode_slots:
             return req.slots
-        return torch.cat((req.slots, torch.tensor(req.decode_slots, dtype=torch.int64)))
+        # through array('q'): torch.tensor(list) costs ~0.15 us per int, 37 us for 256 decode slots, paid for every
+        # request a step finishes (256 at once when a wave of equal requests ends) before its outputs go out
+        return torch.cat((req.slots, torch.frombuffer(array("q", req.decode_slots), dtype=torch.int64)))
 
     # ---- caching -------------------------------------------------------------------------------
     def cache_prefill(self, req: Request) -> None:

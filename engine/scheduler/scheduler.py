@@ -101,7 +101,7 @@ SLOW_DECODE_S, SLOW_DECODE_FACTOR = 0.1, 4.0  # a decode step over both is logge
 
 @dataclass
 class HostWork:
-    """One step's host work after its launch: processing the previous results, releasing finished requests."""
+    """One step's host work besides its forward: releasing what the step before finished, processing results."""
     seconds: float = 0.0
     released: int = 0
 
@@ -190,6 +190,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
+        """Anything to step, finished requests not released yet included (the next step releases them)."""
         return self._busy() or bool(self.compiling)
 
     def _busy(self) -> bool:
@@ -228,7 +229,10 @@ class Scheduler:
         """Run one forward and process the results due now (with overlap: those of the previous forward).
 
         A forward (or its sampling, or the reading of its results) that raises fails the requests of
-        its batch, not the scheduler; see the module docstring."""
+        its batch, not the scheduler; see the module docstring. The requests the step before finished are
+        released here, first: their last outputs went out between the two steps, before that bookkeeping
+        (the radix-cache insert of a wave of equal requests ending together took 16-30 ms for 256)."""
+        release = self.release_finished()
         if self.compiling:
             self._queue_compiled()
         t0 = time.perf_counter()
@@ -241,15 +245,14 @@ class Scheduler:
             self._fail(self._launching, exc)
             launch = None
         self._launching, self._riding = [], []
-        t1, running = time.perf_counter(), len(self.running)
+        t1 = time.perf_counter()
         if self.overlap:
             previous, self._pending = self._pending, launch
             if previous is not None:
                 self._process(previous)
         elif launch is not None:
             self._process(launch)
-        self._release_finished()
-        self._host = HostWork(time.perf_counter() - t1, running - len(self.running))
+        self._host = HostWork(release.seconds + time.perf_counter() - t1, release.released)
 
     def take_outputs(self) -> list[RequestOutput]:
         """Per-request deltas since the last call (new tokens, prompt log-probs, finishes)."""
@@ -471,6 +474,12 @@ class Scheduler:
             launch, self._pending = self._pending, None
             self._process(launch)
         self._release_finished()
+
+    def release_finished(self) -> HostWork:
+        """Release the finished requests now (each step starts with this); what it took and how many."""
+        t, before = time.perf_counter(), len(self.running)
+        self._release_finished()
+        return HostWork(time.perf_counter() - t, before - len(self.running))
 
     def _release_finished(self) -> None:
         if any(r.finish_reason is not None for r in self.running):  # every step: an attribute, not a property

@@ -7,7 +7,7 @@ import torch
 
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from tests.scheduler.helpers import swap_scheduler
+from tests.scheduler.helpers import assert_settled, swap_scheduler
 
 BASELINE = dict(disable_radix_cache=True, chunked_prefill_size=-1, disable_overlap_schedule=True)
 
@@ -272,3 +272,25 @@ def test_flush_cache_only_when_idle(engine):
     held = sched.stats()["prefix_cache_tokens"]
     assert held >= 29 and sched.flush_cache() == held
     assert engine.runner.kv_pool.available() == engine.runner.kv_pool.size
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_finished_requests_last_output_is_taken_before_its_release(engine, overlap):
+    """The step that finishes requests hands out their last outputs while they still hold their KV; the next
+    step releases them (radix-cache insert, slots freed) before it schedules, and nothing leaks."""
+    sched = swap_scheduler(engine, disable_overlap_schedule=not overlap)
+    reqs = [engine.make_request(list(range(1, 20 + i)), _greedy(4)) for i in range(3)]
+    for req in reqs:
+        sched.add(req)
+    finished = {}
+    while len(finished) < len(reqs):
+        sched.step()
+        for out in sched.take_outputs():
+            if out.finished:
+                finished[out.rid] = next(r for r in reqs if r.rid == out.rid)
+    held = [r for r in finished.values() if r.row is not None]
+    assert held, "the step that finished them released them before their outputs were taken"
+    assert sched.has_work()  # the release is the next step's work
+    sched.step()
+    assert all(r.row is None for r in reqs)
+    assert_settled(engine, sched)
