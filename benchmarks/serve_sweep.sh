@@ -4,7 +4,8 @@
 # /metrics: KV free plus what the prefix cache holds (evictable) must be back to the pool size (no leak),
 # no request left running, and the engine must still be up. Prompts repeat across levels (same seed):
 # later levels hit the prefix cache, as shared system prompts do.
-# Writes $OUT/<tag>-serve.log, $OUT/<tag>.jsonl (one bench record per level) and prints a table.
+# Writes $OUT/<tag>-serve.log, $OUT/<tag>.jsonl (one bench record per level), $OUT/<tag>-c<conc>.requests.jsonl
+# (every request's chunk times) and prints a table.
 #   TAG=v3 MODEL=deepseek-v3 LAYERS=5 CONCS="1 8 32 128 256 512 1024" bash benchmarks/serve_sweep.sh
 #   TAG=v3 ... TREE=.peer/before bash benchmarks/serve_sweep.sh   (the server from another checkout)
 #   TAG=v3-dp LAYOUT=tp2-dp2 bash benchmarks/serve_sweep.sh   (a parallel layout, benchmarks/layouts.py; the floor
@@ -61,7 +62,8 @@ for c in $CONCS; do
     fi
     { time -p python3 -m dsctl bench serving --base-url "http://127.0.0.1:$PORT" --num-prompts "$n" \
         --max-concurrency "$c" --random-input-len "$IN" --random-output-len "$OUTLEN" \
-        --result-file "$OUT/$TAG.jsonl" > "$OUT/$TAG-c$c.txt" 2>&1; } 2> "$OUT/$TAG-c$c.time"
+        --result-file "$OUT/$TAG.jsonl" --request-file "$OUT/$TAG-c$c.requests.jsonl" > "$OUT/$TAG-c$c.txt" 2>&1; } \
+        2> "$OUT/$TAG-c$c.time"
     rc=$?
     if [ -n "$profiling" ]; then
         wait "$profiling"

@@ -165,6 +165,9 @@ def serving(
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Per-request timeout in seconds."),
     result_file: Optional[Path] = typer.Option(None, "--result-file", help="Append one JSON line of results here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write latency CDFs and throughput (PNG, matplotlib)."),
+    request_file: Optional[Path] = typer.Option(
+        None, "--request-file", help="Write one JSON line per request (start, TTFT, latency, tokens, error and the "
+        "time of every streamed chunk, seconds), to see where latency tails come from."),
     client_processes: int = typer.Option(
         0, "--client-processes", min=0, help="Processes sending the requests, each with its share of them and of "
         "--max-concurrency (0: one per 64 in flight, at most half the CPUs), so the client keeps up with the server."),

@@ -24,7 +24,7 @@ from dsctl.bench_serving.metrics import Summary, summarize
 from dsctl.bench_serving.plot import _pyplot, write_plot
 from dsctl.bench_serving.processes import resolve_processes, run_load
 from dsctl.bench_serving.random_prompts import pick_form
-from dsctl.bench_serving.report import append_result, client_warnings, length_warnings, record, render
+from dsctl.bench_serving.report import append_result, client_warnings, length_warnings, record, render, write_requests
 from dsctl.bench_serving.runner import Load, first_model_card
 from dsctl.bench_serving.server_metrics import accept_length, spec_counts
 from dsctl.bench_serving.tokens import TokenCounter, first_tokenizer, load_tokenizer
@@ -61,6 +61,7 @@ class ServingOptions:
     request_timeout: float = 600.0
     result_file: Optional[Path] = None
     plot: Optional[Path] = None
+    request_file: Optional[Path] = None
     client_processes: int = 0  # 0: automatic (processes.client_processes)
 
 
@@ -154,6 +155,9 @@ def run_serving(opts: ServingOptions, console: Console) -> Summary:
         rec = record(summary, dataclasses.asdict(opts) | {"api_key": None}) | {"prompt_form": form}
         append_result(opts.result_file, rec)
         console.print(f"result appended to {opts.result_file}")
+    if opts.request_file is not None:
+        write_requests(opts.request_file, results)
+        console.print(f"requests written to {opts.request_file}")
     if opts.plot is not None:
         write_plot(results, opts.plot, title)
         console.print(f"plot written to {opts.plot}")

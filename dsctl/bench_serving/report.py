@@ -1,4 +1,5 @@
-"""Benchmark output: a rich table, warnings about token counts, one JSON line appended to --result-file."""
+"""Benchmark output: a rich table, warnings about token counts, one JSON line appended to --result-file, one line
+per request in --request-file."""
 
 from __future__ import annotations
 
@@ -116,3 +117,14 @@ def append_result(path: Path, rec: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(rec, default=str) + "\n")
+
+
+_REQUEST_FIELDS = ("ok", "start", "ttft", "latency", "prompt_len", "output_len", "error", "chunk_times")
+
+
+def write_requests(path: Path, results: list) -> None:
+    """One JSON line per request (RequestResult: times in seconds, chunk times since its send), in send order."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in sorted(results, key=lambda r: r.start):
+            f.write(json.dumps({k: getattr(r, k) for k in _REQUEST_FIELDS}) + "\n")

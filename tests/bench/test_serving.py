@@ -53,6 +53,24 @@ def test_metrics_match_the_servers_known_timing(make_server):
     assert server.max_in_flight == 3
 
 
+def test_request_file_holds_each_requests_chunk_times(make_server, tmp_path):
+    """--request-file: one line per request whose chunk times show the server's known gaps (the slow one too)."""
+    server = make_server(ttft=TTFT, itl=ITL, slow_index=SLOW_INDEX, slow_gap=SLOW)
+    path = tmp_path / "requests.jsonl"
+    opts = ServingOptions(base_url=server.url, num_prompts=3, max_concurrency=3, random_input_len=8,
+                          random_output_len=N_TOKENS, request_file=path)
+    run_serving(opts, _quiet())
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 3 and all(r["ok"] and r["output_len"] == N_TOKENS for r in lines)
+    for r in lines:
+        times = r["chunk_times"]
+        assert len(times) == N_TOKENS and times[0] == pytest.approx(r["ttft"])
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        slow = max(range(len(gaps)), key=gaps.__getitem__)
+        assert SLOW - EARLY <= gaps[slow] <= SLOW + SLACK
+        assert all(ITL - EARLY <= g <= ITL + SLACK for i, g in enumerate(gaps) if i != slow)
+
+
 def test_goodput_counts_requests_within_slo(make_server):
     server = make_server(ttft=0.05, itl=0.01)
     base = dict(base_url=server.url, num_prompts=4, random_input_len=8, random_output_len=4)
