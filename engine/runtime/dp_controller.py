@@ -24,7 +24,9 @@ tests/distributed/test_dp_controller.py compares the policies on a mix of long a
 
 An AddRequest that names a `dp_rank` goes there (tests use it to load one group only). After
 each step rank 0 gathers every group's outputs and stats (`merge_stats`), which also refreshes
-the loads the policies read and carries the per-group counters to /metrics.
+the loads the policies read and carries the per-group counters to /metrics. A request that a step
+finishes is released by the group's next step (its last output goes out first), so its slots weigh
+in the load until that step's report.
 """
 
 from __future__ import annotations
