@@ -88,8 +88,8 @@ class RankedEngine:
                         collected[out.rid].add(out)
                         if out.finished:
                             left.discard(out.rid)
-        # the ranks' next step releases the finished requests (their KV cached or freed) and reports that
-        self.stats = self._receive(StepOutputs).stats
+        if self.stats is not None and self.stats.running:  # finished, not released yet (or others still run):
+            self.stats = self._receive(StepOutputs).stats  # the ranks' next step releases them and reports that
         return [build_output(ids, p, collected[rid], self._decode) for rid, ids, p in zip(rids, token_lists, params)]
 
     def expert_load(self):
