@@ -120,7 +120,8 @@ def in_process(opts) -> None:
 
     async def one() -> None:
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},  # what uvicorn sends
-                 "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions",
+                 "raw_path": b"/v1/completions", "query_string": b"",
                  "root_path": "", "headers": [(b"content-type", b"application/json")],
                  "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}}
         sent, never = [False], asyncio.Event()

@@ -78,7 +78,8 @@ class IncrementalDetokenizer:
         return now[len(before):]
 
     @classmethod
-    def resumed(cls, tokenizer, skip_special_tokens: bool, context: list[int], pending: list[int]) -> "IncrementalDetokenizer":
+    def resumed(cls, tokenizer, skip_special_tokens: bool, context: list[int],
+                pending: list[int]) -> "IncrementalDetokenizer":
         """One that carries on a sequence whose text up to `context` (the last emitted ids) was emitted and
         whose `pending` ids were not."""
         detok = cls(tokenizer, skip_special_tokens)

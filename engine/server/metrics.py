@@ -1,15 +1,14 @@
 """Prometheus metrics of the server (text format on GET /metrics), via prometheus_client.
 
-Counters and latency histograms are updated in the serving process as outputs
-arrive (the per-token ones in plain numbers, exposed at scrape time); the engine's load and memory gauges (running / waiting requests, KV
-pool usage and free tokens, prefix-cache holdings and hit rate) and its
-retraction counter are read from the latest EngineStats at scrape time, and so is speculative decoding's
-accepted length (histogram dsctl_spec_accepted_tokens, gauge dsctl_spec_accept_length) and the
-scheduler's step times by kind (histogram dsctl_step_seconds). With DP attention
-the engine also reports, per DP group (label dp_rank), the requests dispatched to it
-(counter), its running + waiting requests, its KV slots in use and its KV load as
---load-balance-method total_tokens weighs it (gauges). With --record-expert-load, the tokens routed to each EP
-rank's experts (counter dsctl_expert_load_tokens, label ep_rank) and their imbalance (gauge).
+Counters and latency histograms are updated in the serving process as outputs arrive (the per-token ones in plain
+numbers, exposed at scrape time); the engine's load and memory gauges (running / waiting requests, KV pool usage and
+free tokens, prefix-cache holdings and hit rate) and its retraction counter are read from the latest EngineStats at
+scrape time, and so is speculative decoding's accepted length (histogram dsctl_spec_accepted_tokens, gauge
+dsctl_spec_accept_length) and the scheduler's step times by kind (histogram dsctl_step_seconds). With DP attention
+the engine also reports, per DP group (label dp_rank), the requests dispatched to it (counter), its running +
+waiting requests, its KV slots in use and its KV load as --load-balance-method total_tokens weighs it (gauges). With
+--record-expert-load, the tokens routed to each EP rank's experts (counter dsctl_expert_load_tokens, label ep_rank)
+and their imbalance (gauge).
 """
 
 from __future__ import annotations
@@ -122,13 +121,15 @@ def _step_metrics(s):
     hist = HistogramMetricFamily("dsctl_step_seconds", "Time of one scheduler step, by kind (decode, extend, "
                                  "mixed, spec), from its launch or the previous step's end to its results.",
                                  labels=["kind"])
+    edges = [*map(str, BUCKETS), "+Inf"]
     for kind, (counts, total) in sorted(s.step_seconds.items()):
-        cum, buckets = 0, []
-        for edge, n in zip([*map(str, BUCKETS), "+Inf"], counts):
-            cum += n
-            buckets.append((edge, float(cum)))
-        hist.add_metric([kind], buckets, sum_value=total)
+        hist.add_metric([kind], _cumulative(edges, counts), sum_value=total)
     yield hist
+
+
+def _cumulative(edges: list[str], counts) -> list[tuple[str, float]]:
+    """(le edge, observations up to it) from per-bucket counts: the form HistogramMetricFamily takes."""
+    return list(zip(edges, map(float, accumulate(counts))))
 
 
 def _spec_metrics(s):
@@ -172,7 +173,7 @@ class _TokenCounts:
         yield CounterMetricFamily("dsctl_generation_tokens", "Generated tokens.", value=float(self.generated))
         hist = HistogramMetricFamily("dsctl_inter_token_latency_seconds", "Time between successive tokens.")
         edges = [*map(floatToGoString, _ITL_BUCKETS), "+Inf"]
-        hist.add_metric([], list(zip(edges, map(float, accumulate(self.itl_counts)))), sum_value=self.itl_sum)
+        hist.add_metric([], _cumulative(edges, self.itl_counts), sum_value=self.itl_sum)
         yield hist
 
 
