@@ -97,9 +97,9 @@ def test_auto_on_cuda(monkeypatch, cublas_why, gemm):
 
 
 def test_auto_attention_is_flashinfer_decode_where_its_kernel_is_faster(monkeypatch):
-    """'auto' picks FlashInfer's decode (Triton for the rest) for 128 heads on one GPU over a 16-bit cache on a Hopper
-    GPU with FlashInfer installed (its kernel 2-3x the Triton one there, docs/perf.md); Triton for anything else,
-    DP attention included (not yet run with FlashInfer on GPUs)."""
+    """'auto' picks FlashInfer's decode (Triton for the rest) from 32 heads per rank over a 16-bit cache on a Hopper
+    GPU with FlashInfer installed (its kernel 1.1-3x the Triton one there, docs/perf.md), DP attention included;
+    Triton for anything else (16 heads per rank, FP8 caches, two-batch overlap, other GPUs)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     fake_flashinfer.install(monkeypatch)
 
@@ -108,14 +108,15 @@ def test_auto_attention_is_flashinfer_decode_where_its_kernel_is_faster(monkeypa
         return kr.resolve_kernels({}, setup).attention, kr.flashinfer_decode_blocker(setup)
 
     assert auto() == ("flashinfer-decode", None)  # 128 heads on one GPU
-    assert auto(tp_size=2) == ("triton", "64 heads per rank (FlashInfer measured faster at 128)")
-    assert auto(tp_size=8)[0] == "triton"
+    assert auto(tp_size=2) == ("flashinfer-decode", None)  # 64 heads per rank
+    assert auto(tp_size=4) == ("flashinfer-decode", None)  # 32
+    assert auto(tp_size=8) == ("triton", "16 heads per rank (FlashInfer measured faster from 32)")
     assert auto(kv_dtype=torch.float8_e4m3fn)[0] == "triton"  # the Triton fp8dot kernel is faster than fa3's FP8
     assert auto(micro_batches=True)[0] == "triton"  # two-batch overlap plans per micro-batch
     from engine.distributed.groups import TPGroup
 
     dp2 = TPGroup(rank=0, size=2, ranks=(0, 1), attn=TPGroup(rank=0, size=1, ranks=(0,)), dp_size=2)
-    assert auto(group=dp2) == ("triton", "DP attention (not yet run with FlashInfer on GPUs)")
+    assert auto(group=dp2) == ("flashinfer-decode", None)  # a whole group's 128 heads on each rank
     assert auto(expanded_kv=True)[0] == "triton"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert auto() == ("triton", "not a Hopper GPU (measured there only)")
