@@ -154,11 +154,13 @@ class SchedulerArgs:
     max_running_requests: int = flag(256, "Most requests in the running batch at once.")
     max_prefill_tokens: int = flag(
         16384, "Most new prompt tokens computed in one prefill step; a longer prompt is still admitted "
-        "(alone, or in chunks).",
+        "(alone, or in chunks). Under DP attention the groups share it (each group's step takes 1 / --dp of it: "
+        "the MoE layers run every group's tokens at once).",
     )
     chunked_prefill_size: int = flag(
         8192, "Prefill long prompts in chunks of at most this many tokens per step, the running requests "
-        "decoding alongside (mixed batches: their tokens count in it) or in between (-1 disables chunking).",
+        "decoding alongside (mixed batches: their tokens count in it) or in between (-1 disables chunking). "
+        "Under DP attention the groups share it, as --max-prefill-tokens.",
     )
     schedule_policy: str = flag(
         "fcfs", "Order of waiting requests: 'fcfs' (arrival order) or 'lpm' (longest cached prefix first; "
@@ -191,10 +193,13 @@ class SchedulerArgs:
         "load.",
     )
 
-    def step_budget(self) -> int:
-        """Most tokens one prefill step computes: --max-prefill-tokens, and --chunked-prefill-size when chunking."""
+    def step_budget(self, groups: int = 1) -> int:
+        """Most tokens one prefill step computes: --max-prefill-tokens, and --chunked-prefill-size when chunking.
+        Under DP attention the `groups` share it (each group's step takes its share): the MoE layers run every
+        group's tokens at once, so a step's activations are those of one budget, as without DP attention."""
         chunk = self.chunked_prefill_size
-        return min(self.max_prefill_tokens, chunk) if chunk is not None and chunk > 0 else self.max_prefill_tokens
+        budget = min(self.max_prefill_tokens, chunk) if chunk is not None and chunk > 0 else self.max_prefill_tokens
+        return max(1, budget // groups)
 
     def validate(self) -> None:
         _check_choices(self)
@@ -653,12 +658,17 @@ class EngineArgs:
         return dataclasses.replace(self, **{g: dataclasses.replace(getattr(self, g), **kw)
                                             for g, kw in by_group.items()})
 
+    def attention_groups(self) -> int:
+        """DP attention groups (1 without DP attention): they share the prefill step budget."""
+        cfg = self.parallel.config()
+        return cfg.dp_size if cfg.enable_dp_attention else 1
+
     def piecewise_max_tokens(self) -> int:
-        """The largest extend step of the piecewise CUDA graphs (0: none): --piecewise-cuda-graph-max-tokens, or
-        the prefill step budget (at most PIECEWISE_DEFAULT_MAX_TOKENS)."""
+        """The largest extend step (per DP group) of the piecewise CUDA graphs (0: none):
+        --piecewise-cuda-graph-max-tokens, or a group's prefill step budget (at most PIECEWISE_DEFAULT_MAX_TOKENS)."""
         if self.kernels.piecewise_cuda_graph_max_tokens is not None:
             return self.kernels.piecewise_cuda_graph_max_tokens
-        return min(self.scheduler.step_budget(), PIECEWISE_DEFAULT_MAX_TOKENS)
+        return min(self.scheduler.step_budget(self.attention_groups()), PIECEWISE_DEFAULT_MAX_TOKENS)
 
     def value(self, flag_name: str) -> Any:
         """One flag's value by its field name."""

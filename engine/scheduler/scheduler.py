@@ -137,7 +137,7 @@ class Scheduler:
         self.outputs = outputs
         self.limits = PromptLimits(runner.max_model_len, runner.config.vocab_size, runner.kv_pool.size)
         self.max_running = runner.max_running_requests  # the request table is sized by the runner
-        self.step_budget = args.step_budget()  # most tokens one prefill step computes
+        self.step_budget = args.step_budget(runner.parallel.tp.dp_size)  # most tokens one prefill step computes
         chunk = args.chunked_prefill_size
         self.chunked_prefill_size = chunk if chunk is not None and chunk > 0 else None
         self.schedule_policy = args.schedule_policy

@@ -5,6 +5,8 @@ replay does. Greedy tokens and log-probs equal the plain eager engine's, with pr
 prompts and mixed batches; batches larger than the largest bucket still run eagerly. The GPU capture is
 tests/gpu/test_cuda_paths.py's."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -81,6 +83,47 @@ def test_piecewise_max_tokens_flag():
     assert EngineArgs.of(model="tiny", piecewise_cuda_graph_max_tokens=0).piecewise_max_tokens() == 0
     with pytest.raises(UsageError, match="piecewise-cuda-graph-max-tokens"):
         EngineArgs.of(model="tiny", piecewise_cuda_graph_max_tokens=-2).validate()
+
+
+def test_dp_groups_share_the_prefill_step_budget():
+    """Under DP attention the MoE layers run every group's tokens at once: each group's prefill step (and its
+    piecewise graphs' largest bucket) takes 1 / dp of the budget, so a step's activations are one budget's, as
+    without DP attention (V2 at full depth on 2 x H200 ran out of memory capturing 2 x 8192 rows)."""
+    from engine.args import EngineArgs
+
+    def dp(n, **kw):
+        return EngineArgs.of(model="tiny", tp_size=n, enable_dp_attention=True, **kw)
+
+    assert dp(2).attention_groups() == 2 and EngineArgs.of(model="tiny", tp_size=2).attention_groups() == 1
+    assert dp(2).piecewise_max_tokens() == 4096 and dp(4).piecewise_max_tokens() == 2048
+    assert EngineArgs.of(model="tiny", tp_size=2, ep_size=2).piecewise_max_tokens() == 8192  # no DP attention
+    assert dp(2, chunked_prefill_size=-1).scheduler.step_budget(2) == 8192  # --max-prefill-tokens 16384, shared
+    assert dp(2, piecewise_cuda_graph_max_tokens=8192).piecewise_max_tokens() == 8192  # asked for: as given
+    assert dp(2, chunked_prefill_size=1).scheduler.step_budget(2) == 1  # never 0
+
+
+def test_a_dp_groups_scheduler_prefills_its_share(monkeypatch):
+    """The scheduler of one DP group (of 2) chunks a long prompt at half of --chunked-prefill-size."""
+    from tests.scheduler.failing_runner import use_runner
+
+    eng = Engine(model="tiny", device="cpu", dtype="float32", chunked_prefill_size=32, prefill_burst=False)
+    runner, steps = eng.runner, []
+
+    class OneOfTwoGroups:  # the real runner, in a layout of 2 DP groups
+        parallel = dataclasses.replace(runner.parallel, tp=dataclasses.replace(runner.parallel.tp, dp_size=2))
+
+        def __getattr__(self, name):
+            return getattr(runner, name)
+
+        def forward(self, fb):
+            if not fb.mode.is_decode:
+                steps.append(sum(fb.extend_lens_cpu))
+            return runner.forward(fb)
+
+    sched = use_runner(eng, OneOfTwoGroups())
+    assert sched.step_budget == 16
+    eng.generate(input_ids=[list(range(1, 41))], sampling_params=SamplingParams(max_new_tokens=2, temperature=0))
+    assert steps == [16, 16, 8]
 
 
 def test_padding_marks_every_groups_rows_past_its_own():
