@@ -26,3 +26,7 @@ class CheckpointError(DsctlError):
 
 class RequestError(DsctlError):
     """A request the engine cannot serve (prompt too long, bad token ids, ...)."""
+
+
+class GpuMemoryError(DsctlError):
+    """The GPU's memory does not hold what the flags ask of it (said with the flags that would fit)."""

@@ -52,6 +52,7 @@ from engine.model.kernel_registry import (
 from engine.model.moe import MoE
 from engine.model.rope import RotaryEmbedding
 from engine.model.two_batch import TwoBatchOverlap, split_point
+from engine.runner.capture_memory import told_out_of_memory
 from engine.runner.cuda_graph import CudaGraphRunner
 from engine.runner.device import pick_device, pick_dtype
 from engine.runner.piecewise_graph import PiecewiseGraphs, bucket_sizes
@@ -173,8 +174,11 @@ class ModelRunner:
         if self.setup.cuda_graphs:  # the padding marks' buffer at its largest, before anything is captured
             rows = max(max(self.setup.graph_batch_sizes), max(sizes, default=0))
             self.forward_ctx.reserve_padding(self.parallel.tp.dp_size * rows, self.device)
-            with timed(phases, "CUDA graphs"):
-                self.build_graph_runner(list(self.setup.graph_batch_sizes))
+            graph_sizes = list(self.setup.graph_batch_sizes)
+            with timed(phases, "CUDA graphs"), self._capture_room(
+                    f"the decode CUDA graphs of up to {max(graph_sizes)} requests",
+                    f"--cuda-graph-max-bs {max(1, max(graph_sizes) // 2)}"):
+                self.build_graph_runner(graph_sizes)
         if prefill_kernels:
             self.prefill_compiles = compile_in_background(prefill_kernels, workers)
             if not args.kernels.skip_compile_wait:
@@ -182,7 +186,10 @@ class ModelRunner:
                     self.prefill_compiles.wait()  # so that no request waits for one (issue: smooth streaming)
         self.piecewise = None
         if sizes:
-            with timed(phases, "piecewise graphs"):
+            with timed(phases, "piecewise graphs"), self._capture_room(
+                    f"the piecewise CUDA graphs of extend steps up to {max(sizes)} tokens"
+                    + (f" per DP group ({self.parallel.tp.dp_size} groups)" if self.dp_attention else ""),
+                    f"--piecewise-cuda-graph-max-tokens {max(sizes) // 2}, or 0 for none"):
                 self.build_piecewise(sizes)
         self.two_batch_forwards = 0  # this rank's own forwards run as two micro-batches (--enable-two-batch-overlap)
         self.forward_paths: dict[str, int] = {}  # the model's own forwards per path (`count_forward`)
@@ -190,6 +197,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.late_compiles.install()  # from here on a compile stalls a step: say which and how long
         self._report(phases)
+
+    def _capture_room(self, what: str, smaller: str) -> ContextManager:
+        """A capture whose running out of GPU memory stops start-up with the flags that leave more room."""
+        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+        return told_out_of_memory(what, total, self.args.cache.mem_fraction_static, smaller)
 
     def _report(self, phases: dict[str, float]) -> None:
         """One start-up line per rank: its weight and KV bytes, KV tokens, and how long each phase took."""
