@@ -16,6 +16,7 @@ after its own.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from contextlib import contextmanager, nullcontext
@@ -167,7 +168,7 @@ class ModelRunner:
             log.info("Triton kernel %s already compiled in this process: no parallel precompile", early)
             self.compile_workers = workers = 0
         prefill_kernels = []
-        if workers and not self.dp_attention:
+        if workers:
             with timed(phases, "prefill kernels"):
                 prefill_kernels = self._record_prefill()  # before the capture compiles anything in-process
         sizes = self._piecewise_sizes()
@@ -475,31 +476,37 @@ class ModelRunner:
         return default_workers(min(self.parallel.world_size, max(1, torch.cuda.device_count())))
 
     def _record_prefill(self) -> list:
-        """The Triton kernels (engine/runner/triton_precompile.py `record`) of the extend steps a server runs, at
-        the token counts that a kernel config or specialisation tells apart: one request of n new tokens, one of
-        n new tokens on a cached prefix of n (the prefix's expansion), and n requests of one new token on a
-        cached token (a mixed step's decode rows, attending in latent space); all over the scratch slot,
-        compiled after the decode graphs' capture. DP attention is left out: its eager forwards are agreed
-        between the groups."""
-        sched = self.args.scheduler
-        cap = min(sched.step_budget(), self.max_model_len)
+        """The Triton kernels (engine/runner/triton_precompile.py `record`) of `prefill_forwards`, compiled after
+        the decode graphs' capture."""
+        with torch.inference_mode(), self.model.representative_layers():  # the same kernels as every layer's
+            kernels = record(self.prefill_forwards())
+        torch.cuda.synchronize(self.device)
+        return kernels
+
+    def prefill_forwards(self) -> list[Callable[[], None]]:
+        """The extend steps a server runs, at the token counts that a kernel config or specialisation tells apart
+        (up to a DP group's share of the step budget): one request of n new tokens, one of n new tokens on a
+        cached prefix of n (the prefix's expansion), and n requests of one new token on a cached token (a mixed
+        step's decode rows, attending in latent space); all over the scratch slot. Every rank runs the same
+        ones: under DP attention each gathers every group's rows at the forward's own width (`uniform`), as a
+        CUDA graph's capture does."""
+        cap = min(self.args.scheduler.step_budget(self.parallel.tp.dp_size), self.max_model_len)
         pad = self.req_to_token.padding_row
 
         def run(reqs: int, prefix: int, n: int) -> None:
             fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * (reqs * n), [pad] * reqs, [prefix] * reqs, [n] * reqs,
                                     torch.zeros(reqs * n, dtype=torch.int64), [reqs * n - 1], self.device)
+            if self.dp is not None:
+                self.dp.prepare_graph(reqs * n)
             self.forward_ctx.begin_forward(fb)
             self._forward_eager(fb)
 
         buckets = {n for n in self._piecewise_sizes() if n <= cap}  # what the piecewise graphs' capture runs
         counts = sorted(set(prefill_token_counts(cap)) | buckets)
-        forwards = [lambda n=n: run(1, 0, n) for n in counts]
-        forwards += [lambda n=n: run(1, n, n) for n in counts if 2 * n <= self.max_model_len]
-        forwards += [lambda n=n: run(n, 1, 1) for n in counts if n <= self.max_running_requests]
-        with torch.inference_mode(), self.model.representative_layers():  # the same kernels as every layer's
-            kernels = record(forwards)
-        torch.cuda.synchronize(self.device)
-        return kernels
+        forwards = [functools.partial(run, 1, 0, n) for n in counts]
+        forwards += [functools.partial(run, 1, n, n) for n in counts if 2 * n <= self.max_model_len]
+        forwards += [functools.partial(run, n, 1, 1) for n in counts if n <= self.max_running_requests]
+        return forwards
 
     def close(self) -> None:
         """The process is about to end: stop the background kernel compiles and free the CUDA graphs (before

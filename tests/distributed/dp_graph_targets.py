@@ -17,12 +17,38 @@ PADDED_SIZES = [1, 2, 4, 8]
 PIECEWISE_BUCKETS = [16, 32, 64]  # the tests' steps: at most 48 prompt tokens and 8 decode rows
 
 
-def padded_decode_engine(args, local_rank: int) -> Engine:
+def padded_decode_engine(args, local_rank: int, prefill_forwards: bool = False) -> Engine:
+    """With `prefill_forwards`, every rank first runs the start-up precompile's recording forwards (eagerly here:
+    on a GPU their launches are skipped): under DP attention their gathers pair up across the groups."""
     engine = Engine(args, local_rank=local_rank)
+    if prefill_forwards:
+        _run_prefill_forwards(engine)
     engine.runner.build_graph_runner(PADDED_SIZES, capture=False)
     if engine.runner.forward_ctx.two_batch is None:
         engine.runner.build_piecewise(PIECEWISE_BUCKETS, capture=False)
     return engine
+
+
+def _run_prefill_forwards(engine: Engine) -> None:
+    """The recording forwards, each checked to give every gathering MLP the rows of every DP group (the width the
+    kernels recorded for it will run at)."""
+    import torch
+
+    runner = engine.runner
+    groups, rows = runner.parallel.tp.dp_size, []
+    gathering = [layer.mlp for layer in runner.model.layers
+                 if not (layer.is_moe and layer.mlp.tp.exchanges_tokens)]  # all-to-all MoE layers see own rows
+    hooks = [mlp.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0])) for mlp in gathering]
+    try:
+        with torch.inference_mode():
+            for forward in runner.prefill_forwards():
+                rows.clear()
+                forward()
+                reqs, _, n = forward.args
+                assert rows == [groups * reqs * n] * len(gathering), (forward.args, rows)
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def padded_flashinfer_engine(args, local_rank: int) -> Engine:

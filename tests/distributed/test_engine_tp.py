@@ -134,14 +134,15 @@ def test_dp_attention_padded_decode_matches_one_process(reference, model, tp, dp
     TP 2; TP 4's four ranks on CI's two cores make each phase slow) and with both loaded. With
     --moe-a2a-backend torch the graph-shaped forwards run the exchange's fixed-size mode and the eager ones its
     variable mode (plain TP with the exchange, each rank exchanging its padded share of the batch, runs in
-    test_redundant_experts_and_routing_counts)."""
+    test_redundant_experts_and_routing_counts). Each rank first runs the start-up precompile's recording forwards
+    (every group gathering the others' rows at the forward's width)."""
     import functools
 
     from engine.runtime.rank_loop import engine_main
     from tests.distributed.dp_graph_targets import padded_decode_engine
 
     prompts, ref = reference(model)
-    main = functools.partial(engine_main, make_engine=padded_decode_engine)
+    main = functools.partial(engine_main, make_engine=functools.partial(padded_decode_engine, prefill_forwards=True))
     layout = {k: tp if v is None else v for k, v in layout.items()}
     dpa = dict(enable_dp_attention=True, dp_size=dp)
     n = 4 if tp > 2 else 8 if layout else len(prompts)  # all-to-all: half the prompts, TP 4 a quarter (CI time)
