@@ -167,6 +167,8 @@ class ModelRunner:
         if early is not None:
             log.info("Triton kernel %s already compiled in this process: no parallel precompile", early)
             self.compile_workers = workers = 0
+        # the recording forwards hold collectives: every rank runs them or none does
+        self.compile_workers = workers = all_reduce_min_int(workers, self.parallel.tp)
         prefill_kernels = []
         if workers:
             with timed(phases, "prefill kernels"):
