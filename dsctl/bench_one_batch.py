@@ -136,8 +136,10 @@ def bench(args, batch_sizes: list[int], input_len: Union[int, Sequence[int]], ou
 
 
 def _prefill_note(args) -> str:
-    return (f"prefill: forwards of at most {args.scheduler.step_budget()} new tokens, whole prompts together and a "
-            "longer one alone in chunks, as the server steps them (--max-prefill-tokens, --chunked-prefill-size).")
+    groups = args.attention_groups()
+    return (f"prefill: forwards of at most {args.scheduler.step_budget(groups)} new tokens"
+            + (" per DP group" if groups > 1 else "") + ", whole prompts together and a longer one alone in chunks, "
+            "as the server steps them (--max-prefill-tokens, --chunked-prefill-size).")
 
 
 def _floor_note(meta: dict) -> str:

@@ -25,6 +25,8 @@ import torch
 from engine.distributed.step_floor import copy_bandwidth, step_floor_s
 from engine.forward_batch import ForwardBatch, ForwardMode
 
+DECODE_MARK = "one-batch decode steps"  # the profiler range around a run's decode steps (benchmarks/decode_kernels.py)
+
 
 @dataclass
 class OneBatchResult:
@@ -99,8 +101,8 @@ def run_batch(runner, bs: int, input_len: int, output_len: int, seed: int) -> Op
     g = torch.Generator().manual_seed(seed + bs)
     vocab = min(runner.config.vocab_size, 32000)
     prompts = torch.randint(0, vocab, (bs, input_len), generator=g)  # the same on every rank
-    budget = runner.args.scheduler.step_budget()
     tp = runner.parallel.tp
+    budget = runner.args.scheduler.step_budget(tp.dp_size)  # a DP group's share, as the server's
     start, n = batch_share(bs, tp)
     forwards = len(prefill_plan(-(-bs // tp.dp_size), input_len, budget))  # the largest group's
     if n == 0:
@@ -131,16 +133,17 @@ def _timed_run(runner, prompts, rows: list[int], slots, output_len: int, plan, f
     sync(runner.device)
     prefill_s = time.perf_counter() - t0
     decode_times = []
-    for step in range(output_len - 1):
-        pos = input_len + step
-        dfb = ForwardBatch.build(ForwardMode.DECODE, [0] * n, rows, [pos] * n, [1] * n, slots[:, pos],
-                                 list(range(n)), runner.device)
-        dfb.input_ids = next_ids
-        sync(runner.device)
-        t0 = time.perf_counter()
-        next_ids = _step(runner, dfb)
-        sync(runner.device)
-        decode_times.append(time.perf_counter() - t0)
+    with torch.profiler.record_function(DECODE_MARK):  # where a --profile trace's decode steps are
+        for step in range(output_len - 1):
+            pos = input_len + step
+            dfb = ForwardBatch.build(ForwardMode.DECODE, [0] * n, rows, [pos] * n, [1] * n, slots[:, pos],
+                                     list(range(n)), runner.device)
+            dfb.input_ids = next_ids
+            sync(runner.device)
+            t0 = time.perf_counter()
+            next_ids = _step(runner, dfb)
+            sync(runner.device)
+            decode_times.append(time.perf_counter() - t0)
     return RunTimes(prefill_s, decode_times)
 
 
