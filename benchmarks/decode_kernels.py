@@ -109,6 +109,7 @@ def main() -> int:
                     help="decode steps in the trace (default: --output-len - 1, read from the file name)")
     ap.add_argument("--top", type=int, default=15, help="kernels listed by name")
     args = ap.parse_args()
+    failed = 0
     for path in args.traces:
         steps = args.decode_steps
         if not steps:
@@ -119,8 +120,12 @@ def main() -> int:
         with open(path) as f:
             events = json.load(f)
         events = events["traceEvents"] if isinstance(events, dict) else events
-        print(format_profile(path, decode_steps_profile(events, steps, args.top), args.num_layers))
-    return 0
+        try:
+            print(format_profile(path, decode_steps_profile(events, steps, args.top), args.num_layers))
+        except ValueError as why:
+            print(f"{path}: {why}")
+            failed += 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
