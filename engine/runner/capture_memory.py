@@ -14,8 +14,8 @@ from typing import Iterator, Optional
 import torch
 
 from engine.errors import GpuMemoryError
+from engine.memory.plan import GB
 
-GB = 1e9
 FRACTION_STEP = 0.02  # the lower --mem-fraction-static the message proposes: this much less
 
 
