@@ -35,10 +35,35 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def decode_attention(path: str) -> dict:
+def trace_events(path: str) -> list[dict]:
+    """A chrome trace's events (a bare list, or under "traceEvents")."""
     with open(path) as f:
         events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
+    return events["traceEvents"] if isinstance(events, dict) else events
+
+
+def trace_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of the scripts that read one-batch traces: the traces, --num-layers, --decode-steps."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("traces", nargs="+")
+    ap.add_argument("--num-layers", type=int, required=True, help="the model's layers in the run")
+    ap.add_argument("--decode-steps", type=int, default=0,
+                    help="decode steps in the trace (default: --output-len - 1, read from the file name)")
+    return ap
+
+
+def decode_steps(ap: argparse.ArgumentParser, path: str, given: int) -> int:
+    """`given`, else the trace's --output-len - 1 from its file name (`-outN`, as `bench one-batch` names it)."""
+    if given:
+        return given
+    m = re.search(r"-out(\d+)", path)
+    if m is None:
+        ap.error(f"{path}: give --decode-steps (no -outN in the file name)")
+    return int(m.group(1)) - 1
+
+
+def decode_attention(path: str) -> dict:
+    events = trace_events(path)
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     prefill_end = max((e["ts"] + e["dur"] for e in kernels if EXTEND_ATTENTION.search(e["name"])), default=0.0)
     decode = [e for e in kernels if e["ts"] >= prefill_end]
@@ -48,19 +73,10 @@ def decode_attention(path: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("traces", nargs="+")
-    ap.add_argument("--num-layers", type=int, required=True, help="the model's layers in the run")
-    ap.add_argument("--decode-steps", type=int, default=0,
-                    help="decode steps in the trace (default: --output-len - 1, read from the file name)")
+    ap = trace_parser(__doc__.split("\n")[0])
     args = ap.parse_args()
     for path in args.traces:
-        steps = args.decode_steps
-        if not steps:
-            m = re.search(r"-out(\d+)", path)
-            if m is None:
-                ap.error(f"{path}: give --decode-steps (no -outN in the file name)")
-            steps = int(m.group(1)) - 1
+        steps = decode_steps(ap, path, args.decode_steps)
         r = decode_attention(path)
         print(f"{path}: attention {r['attention_us'] / steps / 1e3:.3f} ms per decode step, "
               f"{r['attention_us'] / steps / args.num_layers:.0f} us per layer ({r['calls']} kernels: "

@@ -14,8 +14,6 @@ it drains), so their sum can exceed the busy time.
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import sys
 from collections import defaultdict
@@ -24,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.attention_time import busy_us  # noqa: E402
+from benchmarks.attention_time import busy_us, decode_steps, trace_events, trace_parser  # noqa: E402
 from dsctl.bench_one_batch_timing import DECODE_MARK  # noqa: E402
 
 FAMILIES = [  # (family, kernel-name pattern)
@@ -102,26 +100,14 @@ def format_profile(path: str, p: StepProfile, layers: int) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("traces", nargs="+")
-    ap.add_argument("--num-layers", type=int, required=True, help="the model's layers in the run")
-    ap.add_argument("--decode-steps", type=int, default=0,
-                    help="decode steps in the trace (default: --output-len - 1, read from the file name)")
+    ap = trace_parser(__doc__.split("\n")[0])
     ap.add_argument("--top", type=int, default=15, help="kernels listed by name")
     args = ap.parse_args()
     failed = 0
     for path in args.traces:
-        steps = args.decode_steps
-        if not steps:
-            m = re.search(r"-out(\d+)", path)
-            if m is None:
-                ap.error(f"{path}: give --decode-steps (no -outN in the file name)")
-            steps = int(m.group(1)) - 1
-        with open(path) as f:
-            events = json.load(f)
-        events = events["traceEvents"] if isinstance(events, dict) else events
+        steps = decode_steps(ap, path, args.decode_steps)
         try:
-            print(format_profile(path, decode_steps_profile(events, steps, args.top), args.num_layers))
+            print(format_profile(path, decode_steps_profile(trace_events(path), steps, args.top), args.num_layers))
         except ValueError as why:
             print(f"{path}: {why}")
             failed += 1
