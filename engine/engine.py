@@ -99,7 +99,8 @@ class Engine:
         cache flags from this engine's (e.g. disable_radix_cache=True)."""
         args = self.args.replace(**flags)
         outputs = OutputProcessor(self.tokenizer, self.eos_ids, self.runner.max_model_len)
-        sched = Scheduler(self.runner, outputs, args.scheduler, radix_cache=not args.cache.disable_radix_cache)
+        sched = Scheduler(self.runner, outputs, args.scheduler, radix_cache=not args.cache.disable_radix_cache,
+                          attention_groups=args.attention_groups())
         sched.grammar_masks = GrammarMasks(self.runner.config.vocab_size, self.runner.device)
         if args.speculative.enabled:  # (the scheduler then never mixes: running requests decode in spec steps)
             sched.spec = SpecDecoder(self.runner, args.speculative)

@@ -131,13 +131,15 @@ class _Chunk:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, outputs: OutputProcessor, args: SchedulerArgs, radix_cache: bool = True):
-        """Scheduling flags come from `args`; `radix_cache` shares cached prompt prefixes between requests."""
+    def __init__(self, runner: ModelRunner, outputs: OutputProcessor, args: SchedulerArgs, radix_cache: bool = True,
+                 attention_groups: int = 1):
+        """Scheduling flags come from `args`; `radix_cache` shares cached prompt prefixes between requests;
+        `attention_groups`: the DP attention groups that share the prefill step budget (EngineArgs')."""
         self.runner = runner
         self.outputs = outputs
         self.limits = PromptLimits(runner.max_model_len, runner.config.vocab_size, runner.kv_pool.size)
         self.max_running = runner.max_running_requests  # the request table is sized by the runner
-        self.step_budget = args.step_budget(runner.parallel.tp.dp_size)  # most tokens one prefill step computes
+        self.step_budget = args.step_budget(attention_groups)  # most tokens one prefill step computes
         chunk = args.chunked_prefill_size
         self.chunked_prefill_size = chunk if chunk is not None and chunk > 0 else None
         self.schedule_policy = args.schedule_policy

@@ -5,8 +5,6 @@ replay does. Greedy tokens and log-probs equal the plain eager engine's, with pr
 prompts and mixed batches; batches larger than the largest bucket still run eagerly. The GPU capture is
 tests/gpu/test_cuda_paths.py's."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -109,9 +107,7 @@ def test_a_dp_groups_scheduler_prefills_its_share(monkeypatch):
     eng = Engine(model="tiny", device="cpu", dtype="float32", chunked_prefill_size=32, prefill_burst=False)
     runner, steps = eng.runner, []
 
-    class OneOfTwoGroups:  # the real runner, in a layout of 2 DP groups
-        parallel = dataclasses.replace(runner.parallel, tp=dataclasses.replace(runner.parallel.tp, dp_size=2))
-
+    class Recording:  # the real runner, its prefill steps' token counts noted
         def __getattr__(self, name):
             return getattr(runner, name)
 
@@ -120,7 +116,7 @@ def test_a_dp_groups_scheduler_prefills_its_share(monkeypatch):
                 steps.append(sum(fb.extend_lens_cpu))
             return runner.forward(fb)
 
-    sched = use_runner(eng, OneOfTwoGroups())
+    sched = use_runner(eng, Recording(), tp_size=2, enable_dp_attention=True)  # one group's scheduler of 2
     assert sched.step_budget == 16
     eng.generate(input_ids=[list(range(1, 41))], sampling_params=SamplingParams(max_new_tokens=2, temperature=0))
     assert steps == [16, 16, 8]

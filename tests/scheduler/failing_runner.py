@@ -82,5 +82,6 @@ def use_runner(engine, runner, **flags):
 
     args = engine.args.replace(**flags)
     outputs = OutputProcessor(engine.tokenizer, engine.eos_ids, engine.runner.max_model_len)
-    engine.scheduler = Scheduler(runner, outputs, args.scheduler, radix_cache=not args.cache.disable_radix_cache)
+    engine.scheduler = Scheduler(runner, outputs, args.scheduler, radix_cache=not args.cache.disable_radix_cache,
+                                 attention_groups=args.attention_groups())
     return engine.scheduler
