@@ -136,9 +136,8 @@ def bench(args, batch_sizes: list[int], input_len: Union[int, Sequence[int]], ou
 
 
 def _prefill_note(args) -> str:
-    groups = args.attention_groups()
-    return (f"prefill: forwards of at most {args.scheduler.step_budget(groups)} new tokens"
-            + (" per DP group" if groups > 1 else "") + ", whole prompts together and a longer one alone in chunks, "
+    return (f"prefill: forwards of at most {args.group_step_budget()} new tokens"
+            + (" per DP group" if args.attention_groups() > 1 else "") + ", whole prompts together and a longer one alone in chunks, "
             "as the server steps them (--max-prefill-tokens, --chunked-prefill-size).")
 
 

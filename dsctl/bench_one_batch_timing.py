@@ -102,7 +102,7 @@ def run_batch(runner, bs: int, input_len: int, output_len: int, seed: int) -> Op
     vocab = min(runner.config.vocab_size, 32000)
     prompts = torch.randint(0, vocab, (bs, input_len), generator=g)  # the same on every rank
     tp = runner.parallel.tp
-    budget = runner.args.scheduler.step_budget(tp.dp_size)  # a DP group's share, as the server's
+    budget = runner.args.group_step_budget()  # a DP group's share, as the server's
     start, n = batch_share(bs, tp)
     forwards = len(prefill_plan(-(-bs // tp.dp_size), input_len, budget))  # the largest group's
     if n == 0:

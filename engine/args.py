@@ -663,12 +663,16 @@ class EngineArgs:
         cfg = self.parallel.config()
         return cfg.dp_size if cfg.enable_dp_attention else 1
 
+    def group_step_budget(self) -> int:
+        """Most tokens one DP group's prefill step computes (the whole budget without DP attention)."""
+        return self.scheduler.step_budget(self.attention_groups())
+
     def piecewise_max_tokens(self) -> int:
         """The largest extend step (per DP group) of the piecewise CUDA graphs (0: none):
         --piecewise-cuda-graph-max-tokens, or a group's prefill step budget (at most PIECEWISE_DEFAULT_MAX_TOKENS)."""
         if self.kernels.piecewise_cuda_graph_max_tokens is not None:
             return self.kernels.piecewise_cuda_graph_max_tokens
-        return min(self.scheduler.step_budget(self.attention_groups()), PIECEWISE_DEFAULT_MAX_TOKENS)
+        return min(self.group_step_budget(), PIECEWISE_DEFAULT_MAX_TOKENS)
 
     def value(self, flag_name: str) -> Any:
         """One flag's value by its field name."""

@@ -162,11 +162,11 @@ class ModelRunner:
         with timed(phases, "KV pool"):
             self._init_memory()
         self.graphs = self.prefill_compiles = None
-        self.compile_workers = workers = self._triton_compile_workers() if self.device.type == "cuda" else 0
+        workers = self._triton_compile_workers() if self.device.type == "cuda" else 0
         early = compiled_kernel() if workers else None
         if early is not None:
             log.info("Triton kernel %s already compiled in this process: no parallel precompile", early)
-            self.compile_workers = workers = 0
+            workers = 0
         # the recording forwards hold collectives: every rank runs them or none does
         self.compile_workers = workers = all_reduce_min_int(workers, self.parallel.tp)
         prefill_kernels = []
@@ -492,7 +492,7 @@ class ModelRunner:
         step's decode rows, attending in latent space); all over the scratch slot. Every rank runs the same
         ones: under DP attention each gathers every group's rows at the forward's own width (`uniform`), as a
         CUDA graph's capture does."""
-        cap = min(self.args.scheduler.step_budget(self.parallel.tp.dp_size), self.max_model_len)
+        cap = min(self.args.group_step_budget(), self.max_model_len)
         pad = self.req_to_token.padding_row
 
         def run(reqs: int, prefix: int, n: int) -> None:

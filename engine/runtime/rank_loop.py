@@ -262,8 +262,7 @@ def _warm_up(engine) -> None:
     init, and the prefill cap (engine/scheduler/prefill_budget.py) starts with extend steps of three sizes
     and decode steps measured, so that it holds from the first burst of prompts on."""
     runner, vocab = engine.runner, engine.config.vocab_size
-    most = min(engine.args.scheduler.step_budget(engine.args.attention_groups()), runner.max_model_len - 8,
-               runner.kv_pool.size // 4)
+    most = min(engine.args.group_step_budget(), runner.max_model_len - 8, runner.kv_pool.size // 4)
     lengths = sorted({max(1, min(n, most)) for n in WARM_UP_PROMPTS})
     for n in lengths:
         engine.generate(input_ids=[[1 + i % (vocab - 1) for i in range(n)]],
